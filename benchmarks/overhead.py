@@ -1,0 +1,148 @@
+"""Overhead of the actor stack: tokens/s through `Scheduler` / tokens/s of a bare BatchGenerator loop.
+
+Same model, same prompts, same concurrency (closed loop: N requests always in flight), measured
+side by side in one run; plus the p99 lag of a 1 ms ticker on the event loop during our run.
+
+    python benchmarks/overhead.py [--model synthetic:small] [--concurrency 1 8 32 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import anyio
+
+from metrics import percentile
+from scheduler import SamplingParams, Scheduler, SchedulerConfig
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, min(vocab, 4000)) for _ in range(length)] for _ in range(n)]
+
+
+def bare_loop(model: object, prompts: list[list[int]], concurrency: int, max_tokens: int,
+              prefill_batch: int, prefill_step: int) -> tuple[int, float]:
+    """A tight loop over BatchGenerator keeping `concurrency` sequences in flight."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, completion_batch_size=concurrency,
+                         prefill_batch_size=min(prefill_batch, concurrency),
+                         prefill_step_size=prefill_step)
+    todo = list(prompts)
+    active = 0
+    tokens = 0
+    start = time.perf_counter()
+    while todo and active < concurrency:
+        gen.insert([todo.pop()], max_tokens=[max_tokens])
+        active += 1
+    while active:
+        _, responses = gen.next()
+        tokens += len(responses)
+        for r in responses:
+            if r.finish_reason is not None:
+                active -= 1
+                if todo:
+                    gen.insert([todo.pop()], max_tokens=[max_tokens])
+                    active += 1
+    elapsed = time.perf_counter() - start
+    gen.close()
+    return tokens, elapsed
+
+
+async def scheduler_run(config: SchedulerConfig, prompts: list[list[int]], concurrency: int,
+                        max_tokens: int) -> tuple[int, float, list[float]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    lags: list[float] = []
+    async with Scheduler(config) as sched:
+        todo = list(prompts)
+        tokens = 0
+
+        async def client() -> None:
+            nonlocal tokens
+            while todo:
+                done = await sched.complete(todo.pop(), params)
+                tokens += done.completion_tokens
+
+        async def ticker() -> None:
+            while True:
+                t = time.perf_counter()
+                await anyio.sleep(0.001)
+                lags.append(time.perf_counter() - t - 0.001)
+
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            async with anyio.create_task_group() as clients:
+                for _ in range(concurrency):
+                    clients.start_soon(client)
+            elapsed = time.perf_counter() - start
+            tg.cancel_scope.cancel()
+    return tokens, elapsed, lags
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="synthetic:small")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--waves", type=int, default=3, help="requests per level = waves x concurrency")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results/overhead.json")
+    args = ap.parse_args()
+
+    import mlx.core as mx
+
+    from workers.models import load_model, model_info
+
+    model, tokenizer = load_model(args.model)
+    info = model_info(model, tokenizer, args.model)
+    rows = []
+    for n in args.concurrency:
+        prompts = make_prompts(max(n * args.waves, 8), args.prompt_tokens, info.vocab_size, args.seed + n)
+        config = SchedulerConfig.from_toml(
+            f'[model]\npath = "{args.model}"\n[worker]\nmax_batch = {n}\n'
+            f'[kvpool]\nmemory = "8GiB"\n'
+        )
+        w = config.worker
+        bare_tokens, bare_s = bare_loop(model, prompts, n, args.max_tokens, w.prefill_batch, w.prefill_step)
+        ours_tokens, ours_s, lags = anyio.run(scheduler_run, config, prompts, n, args.max_tokens)
+        assert bare_tokens == ours_tokens == len(prompts) * args.max_tokens
+        row = {
+            "concurrency": n,
+            "requests": len(prompts),
+            "bare_tok_s": bare_tokens / bare_s,
+            "sched_tok_s": ours_tokens / ours_s,
+            "ratio": (ours_tokens / ours_s) / (bare_tokens / bare_s),
+            "loop_lag_p50_ms": percentile(lags, 50) * 1e3,
+            "loop_lag_p99_ms": percentile(lags, 99) * 1e3,
+        }
+        rows.append(row)
+        print(f"  c={n:<4d} bare {row['bare_tok_s']:8.1f} tok/s  sched {row['sched_tok_s']:8.1f} tok/s  "
+              f"ratio {row['ratio']:.3f}  loop lag p99 {row['loop_lag_p99_ms']:.2f} ms", flush=True)
+
+    print()
+    print(f"{'concurrency':>11} {'bare tok/s':>11} {'sched tok/s':>12} {'ratio':>7} {'lag p50 ms':>11} {'lag p99 ms':>11}")
+    for r in rows:
+        print(f"{r['concurrency']:>11} {r['bare_tok_s']:>11.1f} {r['sched_tok_s']:>12.1f} {r['ratio']:>7.3f} "
+              f"{r['loop_lag_p50_ms']:>11.2f} {r['loop_lag_p99_ms']:>11.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "model": args.model, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "device": str(mx.default_device()), "mlx": mx.__version__, "python": sys.version.split()[0],
+        "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
+    }
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

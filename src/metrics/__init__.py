@@ -1,0 +1,6 @@
+"""Measurements: latency summaries and logging setup. Imports nothing from `scheduler`."""
+
+from metrics.logging import configure_logging
+from metrics.summary import LatencySummary, percentile, summarize
+
+__all__ = ["LatencySummary", "configure_logging", "percentile", "summarize"]

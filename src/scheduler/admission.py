@@ -1,0 +1,367 @@
+"""The admission actor: the waiting queue, the running table and delivery of every chunk.
+
+One task owns all request state, so every request ends exactly once: a final chunk is sent from
+one place (`_end`) and a request's blocks are released only when the worker no longer holds it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import anyio
+import structlog
+
+from kvpool.books import blocks_for
+from kvpool.messages import Denied, Release, Reserve
+from scheduler.dispatcher import Codec, TextStream
+from scheduler.errors import InvalidRequest, QueueFull, SchedulerClosed, SchedulerError
+from scheduler.messages import Cancel, Close, Submit, SubmitEnvelope
+from scheduler.policy import Policy, QueueItem
+from scheduler.types import Chunk, FinishReason, Timings
+from workers.messages import Abort, Admit, SamplingSpec, StepOutput, WorkerEvent, WorkerFailed
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskStatus
+    from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+    from kvpool.pool import Pool
+
+log = structlog.get_logger("scheduler")
+
+Inbox = SubmitEnvelope | Cancel | Close | WorkerEvent
+WorkerSend = Callable[[Admit | Abort], None]
+
+
+@dataclass(eq=False)
+class Live:
+    """One request from submission to its final chunk (and, if running, the worker's release)."""
+
+    item: QueueItem
+    submit: Submit
+    out: MemoryObjectSendStream[Chunk]
+    text: TextStream
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    completion_tokens: int = 0
+    running: bool = False
+    ended: bool = False
+    """The final chunk has been sent; a running request still waits for the worker to drop it."""
+    blocks: int = 0
+    pending: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Counters:
+    finished: int = 0
+    rejected: int = 0
+    steps: int = 0
+    generated_tokens: int = 0
+    engine_batch: int = 0
+
+
+class Admission:
+    """Owns: the policy queue, live requests, deadlines. Receives: Submit, Cancel, Close, and the
+    worker's StepOutput/WorkerFailed. Emits: Admit/Abort to the worker, Reserve/Release to the
+    pool, Chunks to each request's stream."""
+
+    def __init__(
+        self,
+        *,
+        policy: Policy,
+        pool: Pool,
+        send_to_worker: WorkerSend,
+        codec: Codec,
+        eos_token_ids: tuple[int, ...],
+        block_tokens: int,
+        blocks_total: int,
+        max_batch: int,
+        max_queue: int,
+    ) -> None:
+        self._policy = policy
+        self._pool = pool
+        self._to_worker = send_to_worker
+        self._codec = codec
+        self._eos = eos_token_ids
+        self._block_tokens = block_tokens
+        self._blocks_total = blocks_total
+        self._max_batch = max_batch
+        self._max_queue = max_queue
+        # Unbounded on purpose: every Submit is answered at once (so at most one per caller waits
+        # here), the worker posts one message per step and must never block, and a Cancel sent
+        # from a finalizer cannot wait.
+        self.send, self._inbox = anyio.create_memory_object_stream[Inbox](math.inf)
+        self._live: dict[int, Live] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._next_rid = 0
+        self._running = 0
+        self._closed: str | None = None
+        self.counters = Counters()
+
+    # ---- views ---------------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def waiting(self) -> int:
+        return len(self._policy)
+
+    def on_worker_event(self, event: WorkerEvent) -> None:
+        """Called on the event loop thread by the worker bridge."""
+        try:
+            self.send.send_nowait(event)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass  # the actor has finished: nothing is live any more
+
+    # ---- the loop ------------------------------------------------------------------------
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        inbox = self._inbox
+        try:
+            await self._loop(inbox)
+        finally:
+            # Also on a crash: closing every stream wakes each caller, so none waits forever.
+            for live in self._live.values():
+                live.out.close()
+
+    async def _loop(self, inbox: MemoryObjectReceiveStream[Inbox]) -> None:
+        with inbox:
+            while True:
+                batch: list[Inbox] = []
+                with anyio.move_on_after(self._until_next_deadline()):
+                    batch.append(await inbox.receive())
+                while True:  # take everything already queued in one go
+                    try:
+                        batch.append(inbox.receive_nowait())
+                    except anyio.WouldBlock:
+                        break
+                for msg in batch:
+                    if isinstance(msg, Close):
+                        await self._close("cancelled", None)
+                        return
+                    await self._handle(msg)
+                    await self._admit()  # so the queue bound counts only what really waits
+                await self._expire()
+                await self._admit()
+
+    async def _handle(self, msg: Inbox) -> None:
+        match msg:
+            case SubmitEnvelope():
+                self._submit(msg)
+            case Cancel(rid):
+                await self._cancel(rid, "cancelled")
+            case StepOutput():
+                await self._on_step(msg)
+            case WorkerFailed(message):
+                log.error("worker_failed", error=message)
+                self._closed = f"the worker failed: {message}"
+                await self._close("error", message)
+
+    def _until_next_deadline(self) -> float:
+        while self._deadlines and self._deadlines[0][1] not in self._live:
+            heapq.heappop(self._deadlines)
+        if not self._deadlines:
+            return math.inf
+        return max(0.0, self._deadlines[0][0] - anyio.current_time())
+
+    # ---- submission and admission ----------------------------------------------------------
+    def _submit(self, env: SubmitEnvelope) -> None:
+        msg = env.msg
+        error: SchedulerError | None = None
+        need = blocks_for(len(msg.prompt) + msg.params.max_tokens, self._block_tokens)
+        if self._closed is not None:
+            error = SchedulerClosed(self._closed)
+        elif need > self._blocks_total:
+            error = InvalidRequest(
+                f"prompt ({len(msg.prompt)} tokens) + max_tokens ({msg.params.max_tokens}) needs "
+                f"{need} KV blocks of {self._block_tokens} tokens, but the pool has only "
+                f"{self._blocks_total}; lower max_tokens or raise [kvpool] memory"
+            )
+        elif len(self._policy) >= self._max_queue:
+            error = QueueFull(f"the waiting queue is full ({self._max_queue} requests)")
+        if error is not None:
+            self.counters.rejected += 1
+            log.debug("request_rejected", reason=type(error).__name__)
+            with env.reply:
+                env.reply.send_nowait(error)
+            env.out.close()
+            return
+        rid = self._next_rid
+        self._next_rid += 1
+        now = anyio.current_time()
+        deadline = None if msg.timeout is None else now + msg.timeout
+        item = QueueItem(
+            rid=rid, seq=rid, arrival=now, prompt_tokens=len(msg.prompt),
+            max_tokens=msg.params.max_tokens, priority=msg.priority, tenant=msg.tenant,
+            deadline=deadline,
+        )
+        self._live[rid] = Live(item, msg, env.out, TextStream(self._codec, msg.params.stop))
+        self._policy.push(item, now)
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, rid))
+        log.debug("request_submitted", request_id=rid, tenant=msg.tenant)
+        with env.reply:
+            env.reply.send_nowait(rid)
+
+    async def _admit(self) -> None:
+        policy = self._policy
+        while self._running < self._max_batch and self._closed is None:
+            now = anyio.current_time()
+            item = policy.peek(now)
+            if item is None:
+                return
+            live = self._live[item.rid]
+            need = blocks_for(item.prompt_tokens + item.max_tokens, self._block_tokens)
+            if isinstance(await self._pool.call(Reserve(item.rid, need)), Denied):
+                return  # head-of-line waits for memory; finished requests will free it
+            popped = policy.pop(now)
+            assert popped is item, "policy.pop() must return what peek() returned"
+            live.running, live.blocks, live.admitted_at = True, need, time.perf_counter()
+            self._running += 1
+            params = live.submit.params
+            stops = tuple(params.stop_token_ids) + (() if params.ignore_eos else self._eos)
+            self._to_worker(
+                Admit(
+                    rid=item.rid,
+                    prompt=live.submit.prompt,
+                    max_tokens=params.max_tokens,
+                    sampling=SamplingSpec(
+                        params.temperature, params.top_p, params.top_k, params.min_p, params.seed
+                    ),
+                    stop_token_ids=tuple(dict.fromkeys(stops)),
+                )
+            )
+            log.debug("request_admitted", request_id=item.rid, blocks=need)
+
+    # ---- worker events ----------------------------------------------------------------------
+    async def _on_step(self, out: StepOutput) -> None:
+        c = self.counters
+        c.steps, c.engine_batch = max(c.steps, out.step), out.held
+        for rid in out.aborted:
+            await self._dropped_by_worker(rid)
+        live_map = self._live
+        touched: list[Live] = []
+        for rid, token in zip(out.rids, out.tokens, strict=True):
+            live = live_map.get(rid)
+            if live is None or live.ended:
+                continue
+            if not live.pending:
+                touched.append(live)
+            live.pending.append(token)
+        c.generated_tokens += len(out.tokens)
+        now = time.perf_counter()
+        for live in touched:
+            tokens, live.pending = live.pending, []
+            text, hit = live.text.add(tokens)
+            live.completion_tokens += len(tokens)
+            if live.first_token_at is None:
+                live.first_token_at = now
+                log.debug("first_token", request_id=live.item.rid)
+            if hit:
+                self._end(live, "stop", text, tokens)
+                self._to_worker(Abort([live.item.rid]))
+            else:
+                self._send(live, Chunk(live.item.rid, text, tokens))
+        for rid, reason in zip(out.finished, out.reasons, strict=True):
+            live = live_map.get(rid)
+            if live is None:
+                continue
+            if not live.ended:
+                self._end(live, "length" if reason == "length" else "stop", live.text.finish(), [])
+            await self._dropped_by_worker(rid)
+
+    async def _dropped_by_worker(self, rid: int) -> None:
+        """The worker no longer holds `rid`: free its slot and blocks."""
+        live = self._live.get(rid)
+        if live is None or not live.running:
+            return
+        live.running = False
+        self._running -= 1
+        await self._pool.call(Release(rid))
+        if not live.ended:  # an abort we did not ask for cannot happen; end it anyway
+            self._end(live, "error", "", [], error="the worker dropped the request")
+        del self._live[rid]
+        self._policy.on_served(live.item, live.item.prompt_tokens, live.completion_tokens)
+
+    # ---- endings ----------------------------------------------------------------------------
+    def _send(self, live: Live, chunk: Chunk) -> None:
+        try:
+            live.out.send_nowait(chunk)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            # The caller is gone without a Cancel reaching us yet: end the request now.
+            if not live.ended:
+                self._end(live, "cancelled", "", [])
+                if live.running:
+                    self._to_worker(Abort([live.item.rid]))
+
+    def _end(
+        self,
+        live: Live,
+        reason: FinishReason,
+        text: str,
+        tokens: list[int],
+        *,
+        error: str | None = None,
+    ) -> None:
+        """Send the one final chunk. A queued request is forgotten at once; a running one stays
+        until the worker confirms it no longer holds it."""
+        assert not live.ended
+        live.ended = True
+        now = time.perf_counter()
+        t0 = live.submit.submitted_at
+        queue_s = (live.admitted_at if live.admitted_at is not None else now) - t0
+        ttft_s = None if live.first_token_at is None else live.first_token_at - t0
+        timings = Timings(queue_s=queue_s, ttft_s=ttft_s, e2e_s=now - t0)
+        rid = live.item.rid
+        final = Chunk(
+            rid, text, tokens, reason, live.item.prompt_tokens, live.completion_tokens,
+            timings, error,
+        )
+        try:
+            live.out.send_nowait(final)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # nobody is listening any more; the ending still counts
+        live.out.close()
+        self.counters.finished += 1
+        log.debug("request_finished", request_id=rid, reason=reason,
+                  completion_tokens=live.completion_tokens)
+        if not live.running:
+            del self._live[rid]
+
+    async def _cancel(self, rid: int, reason: FinishReason) -> None:
+        live = self._live.get(rid)
+        if live is None or live.ended:
+            return
+        if not live.running:
+            self._policy.remove(rid)
+        self._end(live, reason, "", [])
+        if live.running:
+            self._to_worker(Abort([rid]))
+
+    async def _expire(self) -> None:
+        now = anyio.current_time()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            await self._cancel(rid, "timeout")
+
+    async def _close(self, reason: FinishReason, error: str | None) -> None:
+        """End every live request (the worker is going away or has gone)."""
+        self._closed = self._closed or "the scheduler is closed"
+        for live in list(self._live.values()):
+            if not live.ended:
+                if not live.running:
+                    self._policy.remove(live.item.rid)
+                self._end(live, reason, "", [], error=error)
+            if live.running:
+                live.running = False
+                self._running -= 1
+                await self._pool.call(Release(live.item.rid))
+                self._live.pop(live.item.rid, None)
+        self._deadlines.clear()
+
+

@@ -1,0 +1,368 @@
+"""The public `Scheduler`: starts the actors, validates requests and streams their chunks."""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from kvpool.books import BlockBooks
+from kvpool.pool import Pool, pool_blocks
+from scheduler.admission import Admission
+from scheduler.config import SchedulerConfig, memory_spec
+from scheduler.errors import (
+    ConfigError,
+    InvalidRequest,
+    ModelLoadError,
+    SchedulerClosed,
+    SchedulerError,
+)
+from scheduler.messages import Cancel, Close, Submit, SubmitEnvelope
+from scheduler.params import SamplingParams
+from scheduler.policy import make_policy
+from scheduler.stream import RequestStream
+from scheduler.types import Chunk, Completion, SchedulerStats
+from workers.factory import Loaded, mlx_engine_factory
+from workers.worker import EngineFactory, GPUWorker, WorkerStartError
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from workers.messages import WorkerEvent
+
+log = structlog.get_logger("scheduler")
+
+# Tokenizing a long prompt takes milliseconds; past this many characters it leaves the loop.
+_THREAD_TOKENIZE_CHARS = 2048
+_MAX_TENANT_CHARS = 256
+
+
+class Scheduler:
+    """Serves many concurrent generation requests on one model with continuous batching.
+
+    Use as `async with Scheduler(config) as sched:`; works under asyncio and trio."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        *,
+        engine_factory: EngineFactory[Loaded] | None = None,
+    ) -> None:
+        self.config = config if config is not None else SchedulerConfig()
+        c = self.config
+        self._factory = engine_factory or mlx_engine_factory(
+            c.model.path,
+            cache_dir=c.model.cache_dir,
+            max_batch=c.worker.max_batch,
+            prefill_batch=c.worker.prefill_batch,
+            prefill_step=c.worker.prefill_step,
+        )
+        self._stack: AsyncExitStack | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._admission: Admission | None = None
+        self._pool: Pool | None = None
+        self._loaded: Loaded | None = None
+        self._state = "new"
+        self._done = anyio.Event()
+        self._worker_done = anyio.Event()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def __aenter__(self) -> Scheduler:
+        if self._state != "new":
+            raise SchedulerError("a Scheduler can be started only once; create a new one")
+        self._state = "starting"
+        c = self.config
+        try:
+            policy = make_policy(c.scheduler.policy)
+        except ValueError as exc:
+            raise ConfigError(f"scheduler.policy: {exc}") from None
+        stack = AsyncExitStack()
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        try:
+            worker: GPUWorker[Loaded] = GPUWorker(self._factory, self._on_worker_event)
+            try:
+                loaded: Loaded = await tg.start(self._run_worker, worker)
+            except WorkerStartError as exc:
+                raise ModelLoadError(str(exc)) from exc.__cause__
+            self._loaded = loaded
+            info = loaded.info
+            blocks = pool_blocks(self._memory_bytes(), c.kvpool.block_tokens, info.kv_bytes_per_token)
+            if blocks < 1:
+                raise ConfigError(
+                    f"kvpool.memory: {c.kvpool.memory!r} holds no block of {c.kvpool.block_tokens} "
+                    f"tokens at {info.kv_bytes_per_token} bytes per token"
+                )
+            self._pool = Pool(BlockBooks(blocks, c.kvpool.block_tokens,
+                                         c.kvpool.block_tokens * info.kv_bytes_per_token))
+            await tg.start(self._pool.run)
+            self._admission = Admission(
+                policy=policy,
+                pool=self._pool,
+                send_to_worker=worker.send,
+                codec=loaded.codec,
+                eos_token_ids=tuple(info.eos_token_ids),
+                block_tokens=c.kvpool.block_tokens,
+                blocks_total=blocks,
+                max_batch=c.worker.max_batch,
+                max_queue=c.scheduler.max_queue,
+            )
+            await tg.start(self._run_admission)
+        except BaseException as exc:
+            tg.cancel_scope.cancel()
+            try:
+                await stack.aclose()
+            except BaseException as group:  # the same failure, wrapped by the task group
+                if not _is_wrapping(group, exc):
+                    raise
+            self._state = "closed"
+            raise
+        self._stack, self._tg = stack, tg
+        self._state = "running"
+        log.info("scheduler_started", model=info.name, blocks=blocks, policy=c.scheduler.policy)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.aclose()
+
+    async def aclose(self) -> None:
+        """End every request as cancelled, stop the worker thread and join it. Leaving the
+        `async with` block calls it; calling it earlier (from any task) is fine too."""
+        if self._state != "running":
+            return
+        self._state = "closing"
+        assert self._admission is not None and self._tg is not None
+        self._admission.send.send_nowait(Close())
+        with anyio.CancelScope(shield=True):
+            await self._done.wait()
+            # Every request has ended; the pool and the worker have nothing left to do.
+            self._tg.cancel_scope.cancel()
+            await self._worker_done.wait()
+        self._state = "closed"
+        log.info("scheduler_closed")
+
+    async def _run_worker(
+        self,
+        worker: GPUWorker[Loaded],
+        *,
+        task_status: anyio.abc.TaskStatus[Loaded] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        try:
+            await worker.run(task_status=task_status)
+        finally:
+            self._worker_done.set()
+
+    async def _run_admission(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        assert self._admission is not None
+        try:
+            await self._admission.run(task_status=task_status)
+        finally:
+            self._done.set()
+
+    def _on_worker_event(self, event: WorkerEvent) -> None:
+        if self._admission is not None:
+            self._admission.on_worker_event(event)
+
+    def _memory_bytes(self) -> int:
+        size, fraction = memory_spec(self.config.kvpool.memory)
+        if size is not None:
+            return size
+        assert fraction is not None
+        device = self._loaded.device_memory if self._loaded is not None else None
+        total = device or _system_memory()
+        return int(total * fraction)
+
+    # ---- requests -----------------------------------------------------------------------------
+    @property
+    def model(self) -> Loaded:
+        if self._loaded is None:
+            raise SchedulerClosed("the scheduler has not been started")
+        return self._loaded
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        tenant: str = "default",
+        timeout: float | None = None,
+    ) -> RequestStream:
+        """Stream a request's chunks: `async for chunk in sched.generate(...)`.
+
+        Arguments are checked here (`InvalidRequest`); the prompt's length, the queue
+        (`QueueFull`) and the scheduler's state (`SchedulerClosed`) when iteration starts."""
+        self._check_running()
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequest(f"priority must be an integer, got {type(priority).__name__}")
+        if not isinstance(tenant, str) or not tenant or len(tenant) > _MAX_TENANT_CHARS:
+            raise InvalidRequest(
+                f"tenant must be a non-empty string of at most {_MAX_TENANT_CHARS} characters, "
+                f"got {tenant!r}"[:200]
+            )
+        if timeout is not None and (
+            not isinstance(timeout, int | float) or isinstance(timeout, bool)
+            or not math.isfinite(timeout) or timeout <= 0
+        ):
+            raise InvalidRequest(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt is empty")
+        elif isinstance(prompt, list):
+            self._check_token_ids(prompt)
+        else:
+            raise InvalidRequest(
+                f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
+            )
+        return RequestStream(self._submit, self._cancel, prompt, params, priority, tenant, timeout)
+
+    async def complete(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        tenant: str = "default",
+        timeout: float | None = None,
+    ) -> Completion:
+        """Run a request to its end and return it whole."""
+        text: list[str] = []
+        ids: list[int] = []
+        last: Chunk | None = None
+        async with self.generate(
+            prompt, params, priority=priority, tenant=tenant, timeout=timeout
+        ) as stream:
+            async for chunk in stream:
+                text.append(chunk.text)
+                ids.extend(chunk.token_ids)
+                last = chunk
+        assert last is not None and last.finish_reason is not None and last.timings is not None
+        return Completion(
+            request_id=last.request_id, text="".join(text), token_ids=ids,
+            finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens, timings=last.timings, error=last.error,
+        )
+
+    def stats(self) -> SchedulerStats:
+        """A snapshot of queue, batch and pool."""
+        a, p = self._admission, self._pool
+        if a is None or p is None:
+            raise SchedulerClosed("the scheduler has not been started")
+        c, s = a.counters, p.snapshot
+        return SchedulerStats(
+            running=a.running, waiting=a.waiting, engine_batch=c.engine_batch,
+            blocks_total=s.blocks_total, blocks_used=s.blocks_used, blocks_cached=s.blocks_cached,
+            blocks_free=s.blocks_free, finished=c.finished, rejected=c.rejected, steps=c.steps,
+            generated_tokens=c.generated_tokens,
+        )
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` under the model's chat template, ready for `generate`."""
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages
+        ) or not messages:
+            raise InvalidRequest("messages must be a non-empty list of {'role': str, 'content': str}")
+        tokenizer = self.model.codec.tokenizer
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return [int(t) for t in ids]
+
+    # ---- internals used by RequestStream --------------------------------------------------------
+    def _check_running(self) -> None:
+        if self._state != "running":
+            raise SchedulerClosed(f"the scheduler is {self._state}; requests need a running one")
+
+    def _check_token_ids(self, ids: list[Any]) -> None:
+        if not ids:
+            raise InvalidRequest("prompt is empty")
+        vocab = self.model.info.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequest(
+                    f"prompt[{i}] = {t!r} is not a token id in [0, {vocab})"[:200]
+                )
+
+    async def _submit(
+        self, prompt: str | list[int], params: SamplingParams, priority: int, tenant: str,
+        timeout: float | None,
+    ) -> tuple[int, MemoryObjectReceiveStream[Chunk]]:
+        submitted_at = time.perf_counter()
+        self._check_running()
+        if isinstance(prompt, str):
+            encode = self.model.codec.encode
+            if len(prompt) > _THREAD_TOKENIZE_CHARS:
+                tokens = await anyio.to_thread.run_sync(encode, prompt)
+            else:
+                tokens = encode(prompt)
+            if not tokens:
+                raise InvalidRequest("prompt encodes to no tokens")
+        else:
+            tokens = list(prompt)
+        context = self.model.info.context_length or 2**62  # 0: the model's config does not say
+        if len(tokens) > context:
+            raise InvalidRequest(
+                f"prompt has {len(tokens)} tokens, longer than the model's context of {context}"
+            )
+        if len(tokens) + params.max_tokens > context:
+            raise InvalidRequest(
+                f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context of {context}; lower max_tokens"
+            )
+        self._check_running()
+        assert self._admission is not None
+        out_send, out_recv = anyio.create_memory_object_stream[Chunk](params.max_tokens + 2)
+        reply_send, reply_recv = anyio.create_memory_object_stream[int | SchedulerError](1)
+        msg = Submit(tokens, params, priority, tenant, timeout, submitted_at)
+        self._admission.send.send_nowait(SubmitEnvelope(msg, reply_send, out_send))
+        with reply_recv, anyio.CancelScope(shield=True):
+            # Shielded: once submitted, we must learn the id to be able to cancel it.
+            result = await reply_recv.receive()
+        if isinstance(result, SchedulerError):
+            out_recv.close()
+            raise result
+        return result, out_recv
+
+    def _cancel(self, rid: int) -> None:
+        admission = self._admission
+        if admission is not None:
+            try:
+                admission.send.send_nowait(Cancel(rid))
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass  # the actor is gone and has ended every request already
+
+
+def _is_wrapping(group: BaseException, exc: BaseException) -> bool:
+    if group is exc:
+        return True
+    if isinstance(group, BaseExceptionGroup):
+        return all(_is_wrapping(e, exc) for e in group.exceptions)
+    return False
+
+
+def _system_memory() -> int:
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
+
+

@@ -1,0 +1,123 @@
+"""`mlx-scheduler`: run one prompt, or the demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+
+from metrics import configure_logging
+from scheduler.config import SchedulerConfig
+from scheduler.errors import SchedulerError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlx-scheduler",
+        description="Serve many concurrent LLM generation requests on one MLX model.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common(p: argparse.ArgumentParser, default_model: str | None) -> None:
+        p.add_argument("--config", metavar="FILE", help="a scheduler.toml (defaults otherwise)")
+        p.add_argument(
+            "--model", default=default_model, metavar="PATH",
+            help="synthetic:tiny|small|qwen2.5-0.5b|llama-3.2-1b, or a local mlx-lm model directory "
+            f"(overrides the config; default: {default_model or 'from the config'})",
+        )
+
+    run = sub.add_parser("run", help="stream one completion to stdout")
+    run.add_argument("prompt", help="the prompt text")
+    common(run, None)
+    run.add_argument("--max-tokens", type=_positive_int, default=64, metavar="N")
+    run.add_argument("--temperature", type=_non_negative_float, default=0.0, metavar="T")
+    run.add_argument("--seed", type=int, default=None)
+
+    demo = sub.add_parser("demo", help="a few hundred concurrent requests, then a latency table")
+    common(demo, "synthetic:small")
+    demo.add_argument("--requests", type=_positive_int, default=256, metavar="N")
+    demo.add_argument("--max-tokens", type=_positive_int, default=32, metavar="N")
+    demo.add_argument("--prompt-words", type=_positive_int, default=24, metavar="N")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    return parser
+
+
+def load_config(args: argparse.Namespace) -> SchedulerConfig:
+    config = SchedulerConfig.load(args.config) if args.config else SchedulerConfig()
+    return config.with_model(args.model) if args.model else config
+
+
+async def _run(args: argparse.Namespace, config: SchedulerConfig) -> None:
+    from scheduler.api import Scheduler
+    from scheduler.params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    async with Scheduler(config) as sched:
+        async for chunk in sched.generate(args.prompt, params):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            if chunk.finish_reason is not None:
+                sys.stdout.write(f"\n[{chunk.finish_reason}, {chunk.completion_tokens} tokens]\n")
+
+
+def _demo(args: argparse.Namespace, config: SchedulerConfig) -> None:
+    from scheduler.demo import format_table, run_demo
+
+    result = anyio.run(
+        lambda: run_demo(
+            config, requests=args.requests, max_tokens=args.max_tokens,
+            prompt_words=args.prompt_words, seed=args.seed,
+        )
+    )
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "wb") as f:
+            f.write(msgspec.json.format(msgspec.json.encode(result)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args)
+        configure_logging(config.logging.format, config.logging.level)
+        if args.command == "run":
+            anyio.run(_run, args, config)
+        else:
+            _demo(args, config)
+    except SchedulerError as exc:
+        print(f"mlx-scheduler: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

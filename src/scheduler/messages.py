@@ -1,0 +1,43 @@
+"""Messages the admission actor receives from callers. Worker events arrive in the same inbox."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import msgspec
+
+if TYPE_CHECKING:
+    from anyio.streams.memory import MemoryObjectSendStream
+
+    from scheduler.errors import SchedulerError
+    from scheduler.params import SamplingParams
+    from scheduler.types import Chunk
+
+
+class Submit(msgspec.Struct, frozen=True, tag=True):
+    """Queue a request. `prompt` is token ids, already validated against the model."""
+
+    prompt: list[int]
+    params: SamplingParams
+    priority: int
+    tenant: str
+    timeout: float | None
+    submitted_at: float
+
+
+class Cancel(msgspec.Struct, frozen=True, tag=True):
+    """The caller left: end the request (queued or running) as cancelled."""
+
+    rid: int
+
+
+class Close(msgspec.Struct, frozen=True, tag=True):
+    """Stop admitting; end every request as cancelled; then the actor returns."""
+
+
+class SubmitEnvelope(NamedTuple):
+    msg: Submit
+    reply: MemoryObjectSendStream[int | SchedulerError]
+    """The request id, or the error to raise in the caller."""
+    out: MemoryObjectSendStream[Chunk]
+    """The request's chunks; sized so that sending never blocks."""

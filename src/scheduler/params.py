@@ -1,0 +1,75 @@
+"""`SamplingParams`: what one request asks of the sampler. Validated on construction."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from scheduler.errors import InvalidRequest
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Per-request sampling. `temperature=0` is greedy. `seed` makes sampling reproducible
+    whatever else shares the batch. `stop` strings end generation and are not part of the text;
+    `stop_token_ids` do the same for token ids. `ignore_eos` keeps going past EOS (benchmarks)."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        problem = _problem(self)
+        if problem is not None:
+            raise InvalidRequest(problem)
+
+
+def _problem(p: SamplingParams) -> str | None:  # noqa: C901 - a flat list of checks reads best
+    if not _is_int(p.max_tokens):
+        return f"max_tokens must be an integer, got {type(p.max_tokens).__name__}"
+    if p.max_tokens < 1:
+        return f"max_tokens must be >= 1, got {p.max_tokens}"
+    if not _is_number(p.temperature) or not math.isfinite(p.temperature):
+        return f"temperature must be a finite number, got {p.temperature!r}"
+    if p.temperature < 0:
+        return f"temperature must be >= 0, got {p.temperature}"
+    if not _is_number(p.top_p) or not (0.0 < p.top_p <= 1.0):
+        return f"top_p must be in (0, 1], got {p.top_p!r}"
+    if not _is_int(p.top_k) or p.top_k < 0:
+        return f"top_k must be an integer >= 0 (0 disables it), got {p.top_k!r}"
+    if not _is_number(p.min_p) or not (0.0 <= p.min_p <= 1.0):
+        return f"min_p must be in [0, 1], got {p.min_p!r}"
+    if p.seed is not None and (not _is_int(p.seed) or not (0 <= p.seed < 2**64)):
+        return f"seed must be an integer in [0, 2**64) or None, got {p.seed!r}"
+    if not isinstance(p.stop, tuple | list) or not all(isinstance(s, str) for s in p.stop):
+        return f"stop must be a sequence of strings, got {p.stop!r}"
+    if len(p.stop) > MAX_STOP_STRINGS:
+        return f"stop has {len(p.stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
+    if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in p.stop):
+        return f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters"
+    if not isinstance(p.stop_token_ids, tuple | list) or not all(
+        _is_int(t) and t >= 0 for t in p.stop_token_ids
+    ):
+        return f"stop_token_ids must be a sequence of non-negative integers, got {p.stop_token_ids!r}"
+    if len(p.stop_token_ids) > MAX_STOP_STRINGS:
+        return f"stop_token_ids has {len(p.stop_token_ids)} ids; at most {MAX_STOP_STRINGS} are allowed"
+    if not isinstance(p.ignore_eos, bool):
+        return f"ignore_eos must be a bool, got {p.ignore_eos!r}"
+    return None

@@ -1,0 +1,102 @@
+"""`RequestStream`: what `Scheduler.generate` returns. Iterating it submits the request; leaving
+early (break, exception, cancellation, garbage collection) cancels it."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from scheduler.errors import SchedulerClosed
+from scheduler.params import SamplingParams
+from scheduler.types import Chunk
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+SubmitFn = Callable[
+    [str | list[int], SamplingParams, int, str, float | None],
+    Awaitable[tuple[int, MemoryObjectReceiveStream[Chunk]]],
+]
+
+
+class RequestStream:
+    """An async iterator of one request's chunks; the last one has a `finish_reason`."""
+
+    def __init__(
+        self,
+        submit: SubmitFn,
+        cancel: Callable[[int], None],
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int,
+        tenant: str,
+        timeout: float | None,
+    ) -> None:
+        self._submit = submit
+        self._cancel = cancel
+        self._args = (prompt, params, priority, tenant, timeout)
+        self._rid: int | None = None
+        self._recv: MemoryObjectReceiveStream[Chunk] | None = None
+        self._done = False
+
+    @property
+    def request_id(self) -> int | None:
+        """The scheduler's id for this request, once iteration has submitted it."""
+        return self._rid
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._done:
+            raise StopAsyncIteration
+        if self._recv is None:
+            try:
+                self._rid, self._recv = await self._submit(*self._args)
+            except BaseException:
+                self._done = True
+                raise
+        try:
+            chunk = await self._recv.receive()
+        except anyio.EndOfStream:
+            self._done = True
+            raise SchedulerClosed("the scheduler stopped before this request ended") from None
+        except BaseException:
+            self._abandon()
+            raise
+        if chunk.finish_reason is not None:
+            self._done = True
+            self._recv.close()
+        return chunk
+
+    def _abandon(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._recv is not None:
+            self._recv.close()
+        if self._rid is not None:
+            self._cancel(self._rid)
+
+    async def aclose(self) -> None:
+        """Cancel the request if it has not ended. Safe to call more than once."""
+        self._abandon()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._abandon()
+
+    def __del__(self) -> None:
+        # `break` out of `async for` drops the iterator without a call; this is that call.
+        if not self._done and self._rid is not None:
+            self._abandon()

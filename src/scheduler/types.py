@@ -1,0 +1,60 @@
+"""The values the public API hands back: chunks, completions, timings and stats."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "cancelled", "timeout", "error"]
+
+
+class Timings(msgspec.Struct, frozen=True):
+    """Seconds since submission. `ttft_s` is None when no token was produced."""
+
+    queue_s: float
+    ttft_s: float | None
+    e2e_s: float
+
+
+class Chunk(msgspec.Struct, frozen=True):
+    """New text of one request. Exactly one chunk per request has a `finish_reason`: the last,
+    which also carries the token counts, timings and (for "error") the error message."""
+
+    request_id: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timings: Timings | None = None
+    error: str | None = None
+
+
+class Completion(msgspec.Struct, frozen=True):
+    """A whole request, as `complete()` returns it."""
+
+    request_id: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    timings: Timings
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, frozen=True):
+    """A snapshot. Idle means running == waiting == engine_batch == blocks_used == 0."""
+
+    running: int
+    waiting: int
+    engine_batch: int
+    blocks_total: int
+    blocks_used: int
+    blocks_cached: int
+    blocks_free: int
+    finished: int
+    rejected: int
+    steps: int
+    generated_tokens: int

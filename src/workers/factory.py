@@ -1,0 +1,75 @@
+"""Builds the real engine on the worker thread: load the model, wrap its tokenizer, make an
+`MLXEngine`. The result's `Loaded` half goes back to the event loop."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import msgspec
+
+from workers.engine import Engine, MLXEngine
+from workers.models import ModelInfo, load_model, model_info
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+class TokenizerCodec:
+    """Text in and out through an mlx-lm `TokenizerWrapper` (used on the event loop only)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        # As mlx_lm.generate does: special tokens (BOS) unless the text already starts with BOS.
+        bos = self.tokenizer.bos_token
+        add_special = bos is None or not text.startswith(bos)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special))
+
+    def detokenizer(self) -> Any:
+        return self.tokenizer.detokenizer
+
+
+class Loaded(msgspec.Struct, frozen=True):
+    """What the scheduler needs to know about the model the worker loaded."""
+
+    info: ModelInfo
+    codec: Any
+    device_memory: int | None = None
+    """Bytes of memory the MLX device reports (None on the CPU backend)."""
+
+
+def mlx_engine_factory(
+    path: str,
+    *,
+    cache_dir: str | None,
+    max_batch: int,
+    prefill_batch: int,
+    prefill_step: int,
+) -> Callable[[], tuple[Engine, Loaded]]:
+    """A factory to call on the worker thread (MLX streams are thread-local)."""
+
+    def build() -> tuple[Engine, Loaded]:
+        model, tokenizer = load_model(path, cache_dir)
+        info = model_info(model, tokenizer, path)
+        engine = MLXEngine(
+            model,
+            vocab_size=info.vocab_size,
+            max_batch=max_batch,
+            prefill_batch=prefill_batch,
+            prefill_step=prefill_step,
+        )
+        return engine, Loaded(info, TokenizerCodec(tokenizer), device_memory())
+
+    return build
+
+
+def device_memory() -> int | None:
+    """What MLX reports as the device's memory size, where the backend reports it."""
+    info = mx.device_info()
+    for key in ("total_memory", "memory_size"):
+        value = info.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

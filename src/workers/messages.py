@@ -1,0 +1,69 @@
+"""Messages the GPU worker receives (commands) and emits (one event per engine step)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingSpec(msgspec.Struct, frozen=True, array_like=True):
+    """How one sequence samples. Equal specs share one sampler (one batched sampling call)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+
+class Admit(msgspec.Struct, frozen=True, tag=True):
+    """Insert a request into the batch. `prompt` is final: the worker never tokenizes."""
+
+    rid: int
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingSpec
+    stop_token_ids: tuple[int, ...]
+
+
+class Abort(msgspec.Struct, frozen=True, tag=True):
+    """Remove requests from the batch; the worker confirms each in `StepOutput.aborted`."""
+
+    rids: list[int]
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    """Stop stepping, close the engine and end the thread."""
+
+
+WorkerCommand = Admit | Abort | Shutdown
+
+
+class StepOutput(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=True):
+    """Everything one engine step produced. `rids[i]` emitted `tokens[i]`.
+
+    A finished request's last token (if it counts as output) is in `tokens`; stop tokens are not.
+    """
+
+    step: int
+    rids: list[int]
+    tokens: list[int]
+    finished: list[int]
+    reasons: list[str]
+    aborted: list[int]
+    held: int
+    t_start: float
+    t_end: float
+
+
+class WorkerReady(msgspec.Struct, frozen=True, tag=True):
+    """The engine is built on the worker thread and accepts commands."""
+
+
+class WorkerFailed(msgspec.Struct, frozen=True, tag=True):
+    """The engine raised; every request it held is lost and must be ended with `error`."""
+
+    message: str
+    rids: list[int]
+
+
+WorkerEvent = StepOutput | WorkerReady | WorkerFailed

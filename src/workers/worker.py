@@ -1,0 +1,160 @@
+"""The GPU-worker actor: one dedicated thread owns the engine for its whole life and steps it.
+
+MLX streams are thread-local, so the model and `BatchGenerator` are built, stepped and closed on
+that thread. Commands cross in through a thread-safe queue; one `StepOutput` per step crosses back
+to the event loop without the thread ever waiting on the loop.
+"""
+
+from __future__ import annotations
+
+import gc
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+import anyio
+import structlog
+from anyio.lowlevel import EventLoopToken, current_token
+
+from workers.engine import Engine
+from workers.messages import (
+    Abort,
+    Admit,
+    Shutdown,
+    StepOutput,
+    WorkerCommand,
+    WorkerEvent,
+    WorkerFailed,
+)
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskStatus
+
+log = structlog.get_logger("workers")
+InfoT = TypeVar("InfoT")
+EngineFactory = Callable[[], tuple[Engine, InfoT]]
+
+
+class WorkerStartError(RuntimeError):
+    """The engine could not be built; the cause is chained."""
+
+
+class GPUWorker(Generic[InfoT]):
+    """Owns: the worker thread and, through it, the engine. Receives: `WorkerCommand` via `send`.
+    Emits: `WorkerEvent`s through `emit`, called on the event loop thread."""
+
+    def __init__(
+        self,
+        factory: EngineFactory[InfoT],
+        emit: Callable[[WorkerEvent], object],
+        *,
+        join_timeout: float = 60.0,
+    ) -> None:
+        self._join_timeout = join_timeout
+        self._factory = factory
+        self._emit = emit
+        self._commands: queue.SimpleQueue[WorkerCommand] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._token: EventLoopToken | None = None
+        self._started = anyio.Event()
+        self._start_result: tuple[InfoT | None, BaseException | None] = (None, None)
+
+    def send(self, command: WorkerCommand) -> None:
+        """Hand a command to the worker thread; never blocks."""
+        self._commands.put_nowait(command)
+
+    async def run(self, *, task_status: TaskStatus[InfoT] = anyio.TASK_STATUS_IGNORED) -> None:
+        self._token = current_token()
+        self._thread = threading.Thread(target=self._main, name="mlx-worker", daemon=True)
+        self._thread.start()
+        try:
+            await self._started.wait()
+            info, error = self._start_result
+            if error is not None:
+                raise WorkerStartError(f"the model engine failed to start: {error}") from error
+            assert info is not None
+            task_status.started(info)
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                self._commands.put_nowait(Shutdown())
+                await anyio.to_thread.run_sync(self._thread.join, self._join_timeout)
+                if self._thread.is_alive():
+                    log.error("worker_stuck", timeout_s=self._join_timeout)
+                # MLX work in a joined thread can abort the interpreter at exit; collecting here,
+                # on the loop's thread, prevents it (see MLX-NOTES).
+                gc.collect()
+
+    def _post(self, event: WorkerEvent) -> None:
+        token = self._token
+        assert token is not None
+        try:
+            token.backend_class.run_sync_soon(self._emit, (event,), token.native_token)
+        except Exception:  # the loop is gone: nobody is left to tell
+            pass
+
+    def _post_started(self, info: InfoT | None, error: BaseException | None) -> None:
+        def done() -> None:
+            self._start_result = (info, error)
+            self._started.set()
+
+        token = self._token
+        assert token is not None
+        token.backend_class.run_sync_soon(done, (), token.native_token)
+
+    def _main(self) -> None:
+        try:
+            engine, info = self._factory()
+        except BaseException as exc:  # reported to run(), which raises it with its cause
+            self._post_started(None, exc)
+            return
+        self._post_started(info, None)
+        try:
+            self._loop(engine)
+        except Exception as exc:  # a failed step: the actor ends every request it held
+            self._post(WorkerFailed(message=f"{type(exc).__name__}: {exc}", rids=[]))
+        finally:
+            engine.close()
+
+    def _loop(self, engine: Engine) -> None:
+        step = 0
+        commands = self._commands
+        while True:
+            pending: list[WorkerCommand] = []
+            if not engine.has_work():
+                pending.append(commands.get())  # idle: block until there is something to do
+            while True:
+                try:
+                    pending.append(commands.get_nowait())
+                except queue.Empty:
+                    break
+            admits: list[Admit] = []
+            aborted: list[int] = []
+            stop = False
+            for command in pending:
+                match command:
+                    case Admit():
+                        admits.append(command)
+                    case Abort(rids):
+                        aborted.extend(rids)
+                    case Shutdown():
+                        stop = True
+            engine.insert(admits)
+            engine.remove(aborted)
+            if stop:
+                return
+            if engine.has_work():
+                t_start = time.perf_counter()
+                rids, tokens, finished, reasons = engine.step()
+                step += 1
+                t_end = time.perf_counter()
+            elif aborted:
+                t_start = t_end = time.perf_counter()
+                rids, tokens, finished, reasons = [], [], [], []
+            else:
+                continue
+            self._post(
+                StepOutput(step, rids, tokens, finished, reasons, aborted, engine.held(), t_start, t_end)
+            )

@@ -1,0 +1,135 @@
+"""A fake engine and codec for unit tests of actor logic (never the proof that a feature works:
+the integration tests drive the real BatchGenerator)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from workers.factory import Loaded
+from workers.models import ModelInfo
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from workers.messages import Admit
+
+VOCAB = 64
+EOS = 63
+
+
+def fake_token(admit: Admit, k: int) -> int:
+    """The k-th token (0-based) the fake engine emits for `admit`: deterministic, never EOS."""
+    return (sum(admit.prompt) + 7 * k) % (VOCAB - 1)
+
+
+class FakeDetokenizer:
+    def __init__(self) -> None:
+        self._text = ""
+        self._offset = 0
+
+    def add_token(self, token: int) -> None:
+        self._text += chr(ord("a") + token % 26)
+
+    def finalize(self) -> None:
+        pass
+
+    @property
+    def last_segment(self) -> str:
+        segment = self._text[self._offset :]
+        self._offset = len(self._text)
+        return segment
+
+
+class FakeCodec:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % (VOCAB - 1) for c in text]
+
+    def detokenizer(self) -> FakeDetokenizer:
+        return FakeDetokenizer()
+
+
+@dataclass
+class _Seq:
+    admit: Admit
+    emitted: int = 0
+
+
+@dataclass
+class FakeEngine:
+    """One token per held sequence per step. `gate`, when cleared, blocks each step until set;
+    `step_delay` makes each step take that long;
+    `fail_at_step` raises inside that step; `eos_after` makes a sequence emit EOS as token k."""
+
+    gate: threading.Event = field(default_factory=threading.Event)
+    fail_at_step: int | None = None
+    step_delay: float = 0.0
+    eos_after: int | None = None
+    steps: int = 0
+    closed: bool = False
+    seqs: dict[int, _Seq] = field(default_factory=dict)
+    inserted: list[int] = field(default_factory=list)
+    max_held: int = 0
+
+    def __post_init__(self) -> None:
+        self.gate.set()
+
+    def insert(self, admits: Sequence[Admit]) -> None:
+        for a in admits:
+            self.seqs[a.rid] = _Seq(a)
+            self.inserted.append(a.rid)
+        self.max_held = max(self.max_held, len(self.seqs))
+
+    def remove(self, rids: Sequence[int]) -> None:
+        for rid in rids:
+            self.seqs.pop(rid, None)
+
+    def step(self) -> tuple[list[int], list[int], list[int], list[str]]:
+        self.gate.wait()
+        if self.step_delay:
+            time.sleep(self.step_delay)  # on the worker thread, like a real forward pass
+        self.steps += 1
+        if self.fail_at_step is not None and self.steps >= self.fail_at_step:
+            raise RuntimeError(f"injected failure at step {self.steps}")
+        rids, tokens, finished, reasons = [], [], [], []
+        for rid, seq in list(self.seqs.items()):
+            k = seq.emitted
+            seq.emitted += 1
+            if self.eos_after is not None and k == self.eos_after and EOS in seq.admit.stop_token_ids:
+                finished.append(rid)
+                reasons.append("stop")
+                del self.seqs[rid]
+                continue
+            rids.append(rid)
+            tokens.append(fake_token(seq.admit, k))
+            if seq.emitted >= seq.admit.max_tokens:
+                finished.append(rid)
+                reasons.append("length")
+                del self.seqs[rid]
+        return rids, tokens, finished, reasons
+
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    def held(self) -> int:
+        return len(self.seqs)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def fake_info(context_length: int = 512) -> ModelInfo:
+    return ModelInfo(
+        name="fake", path="fake", model_type="fake", num_layers=1, num_kv_heads=1, head_dim=4,
+        vocab_size=VOCAB, context_length=context_length, dtype="float32",
+        kv_bytes_per_token=32, weights_bytes=0, eos_token_ids=(EOS,),
+    )
+
+
+def fake_factory(engine: FakeEngine, context_length: int = 512):  # type: ignore[no-untyped-def]
+    def build() -> tuple[FakeEngine, Loaded]:
+        return engine, Loaded(fake_info(context_length), FakeCodec())
+
+    return build

@@ -1,0 +1,300 @@
+"""The actors through real anyio streams, with a fake engine on the real worker thread."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import anyio
+import pytest
+from structlog.testing import capture_logs
+
+from scheduler import SamplingParams, Scheduler, SchedulerConfig
+from scheduler.errors import InvalidRequest, ModelLoadError, QueueFull, SchedulerClosed
+from tests.fakes import EOS, FakeEngine, fake_factory, fake_token
+from workers.messages import Admit, SamplingSpec
+
+if TYPE_CHECKING:
+    from scheduler.types import Chunk
+
+pytestmark = pytest.mark.anyio
+
+GREEDY = dict(temperature=0.0)
+
+
+def config(**sections: dict[str, object]) -> SchedulerConfig:
+    text = "\n".join(
+        f"[{name}]\n" + "\n".join(f"{k} = {v!r}" for k, v in values.items())
+        for name, values in sections.items()
+    )
+    return SchedulerConfig.from_toml(text.replace("'", '"'))
+
+
+def expected(prompt: list[int], max_tokens: int) -> list[int]:
+    admit = Admit(0, prompt, max_tokens, SamplingSpec(), ())
+    return [fake_token(admit, k) for k in range(max_tokens)]
+
+
+async def wait_idle(sched: Scheduler) -> None:
+    while True:
+        s = sched.stats()
+        if s.running == s.waiting == s.engine_batch == s.blocks_used == 0:
+            return
+        await anyio.sleep(0.005)
+
+
+async def test_concurrent_requests_complete_with_their_own_tokens() -> None:
+    engine = FakeEngine()
+    with anyio.fail_after(20):
+        async with Scheduler(config(worker={"max_batch": 8}), engine_factory=fake_factory(engine)) as s:
+            results = {}
+
+            async def one(i: int) -> None:
+                prompt = [i + 1, i + 2, i + 3]
+                results[i] = (prompt, await s.complete(prompt, SamplingParams(max_tokens=5 + i, **GREEDY)))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(20):
+                    tg.start_soon(one, i)
+            for i, (prompt, done) in results.items():
+                assert done.token_ids == expected(prompt, 5 + i)
+                assert done.finish_reason == "length"
+                assert done.completion_tokens == 5 + i and done.prompt_tokens == 3
+                t = done.timings
+                assert t.ttft_s is not None and 0 <= t.queue_s <= t.ttft_s <= t.e2e_s
+            await wait_idle(s)
+            st = s.stats()
+            assert st.finished == 20 and st.blocks_free == st.blocks_total
+            assert engine.max_held <= 8
+
+
+async def test_exactly_one_final_chunk_and_it_is_last() -> None:
+    with anyio.fail_after(10):
+        async with Scheduler(engine_factory=fake_factory(FakeEngine())) as s:
+            chunks: list[Chunk] = [c async for c in s.generate([5, 6], SamplingParams(max_tokens=7))]
+            assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+            assert chunks[-1].finish_reason == "length"
+            assert sum(len(c.token_ids) for c in chunks) == 7
+            assert "".join(c.text for c in chunks) == "".join(
+                chr(ord("a") + t % 26) for t in expected([5, 6], 7)
+            )
+
+
+async def test_queue_full_is_raised_at_once_and_others_still_served() -> None:
+    engine = FakeEngine()
+    engine.gate.clear()  # hold the first request in the batch
+    cfg = config(worker={"max_batch": 1}, scheduler={"max_queue": 2})
+    with anyio.fail_after(10):
+        async with Scheduler(cfg, engine_factory=fake_factory(engine)) as s:
+            done: list[str] = []
+
+            async def one(p: int) -> None:
+                done.append((await s.complete([p], SamplingParams(max_tokens=3))).finish_reason)
+
+            async with anyio.create_task_group() as tg:
+                for p in range(3):
+                    tg.start_soon(one, p + 1)
+                while s.stats().waiting < 2 or s.stats().running < 1:
+                    await anyio.sleep(0.005)
+                with pytest.raises(QueueFull, match="queue is full"):
+                    await s.complete([9], SamplingParams(max_tokens=3))
+                assert s.stats().rejected == 1
+                engine.gate.set()
+            assert done == ["length"] * 3
+
+
+async def test_break_aborts_running_request_and_frees_slot_and_blocks() -> None:
+    engine = FakeEngine(step_delay=0.02)
+    with anyio.fail_after(10):
+        async with Scheduler(engine_factory=fake_factory(engine)) as s:
+            async for chunk in s.generate([1, 2], SamplingParams(max_tokens=200)):
+                assert chunk.finish_reason is None
+                steps_at_break = s.stats().steps
+                break
+            await wait_idle(s)
+            assert s.stats().steps - steps_at_break <= 2  # freed within one engine step
+            assert engine.seqs == {}
+            assert s.stats().finished == 1
+
+
+async def test_cancelled_task_while_queued_never_reaches_the_engine() -> None:
+    engine = FakeEngine()
+    engine.gate.clear()
+    with anyio.fail_after(10):
+        async with Scheduler(config(worker={"max_batch": 1}), engine_factory=fake_factory(engine)) as s:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(s.complete, [1], SamplingParams(max_tokens=4))
+                while s.stats().running < 1:
+                    await anyio.sleep(0.005)
+                try:
+                    with anyio.move_on_after(0.05):
+                        await s.complete([2], SamplingParams(max_tokens=4))
+                    while s.stats().waiting:  # the Cancel reaches the actor
+                        await anyio.sleep(0.005)
+                finally:
+                    engine.gate.set()
+            await wait_idle(s)
+            assert len(engine.inserted) == 1
+
+
+async def test_timeouts_end_queued_and_running_requests() -> None:
+    engine = FakeEngine()
+    engine.gate.clear()
+    with anyio.fail_after(10):
+        async with Scheduler(config(worker={"max_batch": 1}), engine_factory=fake_factory(engine)) as s:
+            results = {}
+
+            async def one(name: str, timeout: float) -> None:
+                results[name] = await s.complete([3], SamplingParams(max_tokens=50), timeout=timeout)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, "running", 0.2)
+                while s.stats().running < 1:
+                    await anyio.sleep(0.005)
+                tg.start_soon(one, "queued", 0.1)
+            assert results["queued"].finish_reason == "timeout"
+            assert results["queued"].timings.ttft_s is None
+            assert results["running"].finish_reason == "timeout"
+            engine.gate.set()
+            await wait_idle(s)
+            assert engine.seqs == {}
+
+
+async def test_stop_string_ends_text_before_it() -> None:
+    prompt = [1, 2, 3]
+    full = "".join(chr(ord("a") + t % 26) for t in expected(prompt, 30))
+    stop = full[10:12]
+    cut = full.find(stop)
+    with anyio.fail_after(10):
+        async with Scheduler(engine_factory=fake_factory(engine := FakeEngine())) as s:
+            done = await s.complete(prompt, SamplingParams(max_tokens=30, stop=(stop,)))
+            assert done.finish_reason == "stop"
+            assert done.text == full[:cut]
+            await wait_idle(s)
+            assert engine.seqs == {}
+
+
+async def test_eos_stops_unless_ignored() -> None:
+    engine = FakeEngine(eos_after=3)
+    with anyio.fail_after(10):
+        async with Scheduler(engine_factory=fake_factory(engine)) as s:
+            stopped = await s.complete([4], SamplingParams(max_tokens=10))
+            assert stopped.finish_reason == "stop" and stopped.completion_tokens == 3
+            assert EOS not in stopped.token_ids
+            ignored = await s.complete([4], SamplingParams(max_tokens=10, ignore_eos=True))
+            assert ignored.finish_reason == "length" and ignored.completion_tokens == 10
+
+
+async def test_pool_budget_limits_how_many_run_at_once() -> None:
+    engine = FakeEngine(step_delay=0.005)
+    # 32 bytes/token x 16 tokens = 512-byte blocks; 2048 bytes = 4 blocks; each request needs 2.
+    cfg = config(kvpool={"block_tokens": 16, "memory": 2048})
+    with anyio.fail_after(20):
+        async with Scheduler(cfg, engine_factory=fake_factory(engine)) as s:
+            assert s.stats().blocks_total == 4
+            async with anyio.create_task_group() as tg:
+                for i in range(6):
+                    tg.start_soon(s.complete, [i + 1] * 10, SamplingParams(max_tokens=20))
+            assert engine.max_held == 2
+            with pytest.raises(InvalidRequest, match="KV blocks"):
+                await s.complete([1] * 10, SamplingParams(max_tokens=100))
+            await wait_idle(s)
+            assert s.stats().finished == 6
+
+
+async def test_worker_failure_ends_everyone_with_error_then_closes() -> None:
+    engine = FakeEngine(fail_at_step=3)
+    with anyio.fail_after(10), capture_logs() as logs:
+        async with Scheduler(config(worker={"max_batch": 2}), engine_factory=fake_factory(engine)) as s:
+            async with anyio.create_task_group() as tg:
+                outcomes = []
+
+                async def one() -> None:
+                    outcomes.append(await s.complete([1], SamplingParams(max_tokens=50)))
+
+                for _ in range(4):
+                    tg.start_soon(one)
+            assert [o.finish_reason for o in outcomes] == ["error"] * 4
+            assert all("injected failure" in (o.error or "") for o in outcomes)
+            with pytest.raises(SchedulerClosed, match="worker failed"):
+                await s.complete([1], SamplingParams(max_tokens=2))
+    assert any(e["event"] == "worker_failed" for e in logs)
+    assert engine.closed
+
+
+async def test_leaving_the_scheduler_cancels_what_is_in_flight() -> None:
+    engine = FakeEngine(step_delay=0.01)
+    outcomes: list[str] = []
+    with anyio.fail_after(10):
+        async with Scheduler(config(worker={"max_batch": 1}), engine_factory=fake_factory(engine)) as s:
+
+            async def one() -> None:
+                outcomes.append((await s.complete([1], SamplingParams(max_tokens=500))).finish_reason)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one)
+                tg.start_soon(one)
+                while s.stats().running + s.stats().waiting < 2:
+                    await anyio.sleep(0.005)
+                await s.aclose()  # from inside a nested task group: allowed
+            assert outcomes == ["cancelled", "cancelled"]
+            with pytest.raises(SchedulerClosed):
+                s.generate([1])
+            assert engine.closed  # the worker thread closed its engine and was joined
+            assert not any(t.name == "mlx-worker" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(prompt=""), "prompt is empty"),
+        (dict(prompt=[]), "prompt is empty"),
+        (dict(prompt=123), "prompt must be a str or a list"),
+        (dict(prompt=[1, "x"]), r"prompt\[1\]"),
+        (dict(prompt=[1, 10_000]), r"prompt\[1\] = 10000 is not a token id"),
+        (dict(prompt=[1], priority="high"), "priority must be an integer"),
+        (dict(prompt=[1], tenant=5), "tenant must be"),
+        (dict(prompt=[1], timeout=-1), "timeout must be"),
+        (dict(prompt=[1], params={"max_tokens": 3}), "params must be SamplingParams"),
+    ],
+)
+async def test_bad_requests_raise_invalid_request_and_service_goes_on(
+    kwargs: dict[str, object], message: str
+) -> None:
+    with anyio.fail_after(10):
+        async with Scheduler(engine_factory=fake_factory(FakeEngine())) as s:
+            rest = dict(kwargs)
+            prompt = rest.pop("prompt")
+            with pytest.raises(InvalidRequest, match=message):
+                await s.complete(prompt, **rest)  # type: ignore[arg-type]
+            done = await s.complete([1, 2], SamplingParams(max_tokens=2))
+            assert done.finish_reason == "length"
+
+
+async def test_prompt_longer_than_context_is_invalid() -> None:
+    with anyio.fail_after(10):
+        async with Scheduler(engine_factory=fake_factory(FakeEngine(), context_length=32)) as s:
+            with pytest.raises(InvalidRequest, match="longer than the model's context of 32"):
+                await s.complete([1] * 33, SamplingParams(max_tokens=1))
+            with pytest.raises(InvalidRequest, match="max_tokens"):
+                await s.complete([1] * 30, SamplingParams(max_tokens=5))
+            assert (await s.complete([1] * 30, SamplingParams(max_tokens=2))).completion_tokens == 2
+
+
+async def test_model_load_failure_fails_startup_with_its_cause() -> None:
+    def broken():  # type: ignore[no-untyped-def]
+        raise FileNotFoundError("no weights here")
+
+    with anyio.fail_after(10):
+        with pytest.raises(ModelLoadError, match="no weights here") as info:
+            async with Scheduler(engine_factory=broken):
+                pass
+    assert isinstance(info.value.__cause__, FileNotFoundError)
+
+
+async def test_worker_thread_is_joined_on_exit() -> None:
+    with anyio.fail_after(10):
+        async with Scheduler(engine_factory=fake_factory(FakeEngine())) as s:
+            await s.complete([1], SamplingParams(max_tokens=2))
+            assert any(t.name == "mlx-worker" for t in threading.enumerate())
+    assert not any(t.name == "mlx-worker" for t in threading.enumerate())
