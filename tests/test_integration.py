@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import pytest
@@ -11,6 +11,9 @@ import pytest
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from scheduler.errors import InvalidRequest, QueueFull
 from tests.test_actors import wait_idle
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 

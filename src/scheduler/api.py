@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
-from anyio.streams.memory import MemoryObjectReceiveStream
 
 from kvpool.books import BlockBooks
 from kvpool.pool import Pool, pool_blocks
@@ -32,6 +31,8 @@ from workers.worker import EngineFactory, GPUWorker, WorkerStartError
 
 if TYPE_CHECKING:
     from types import TracebackType
+
+    from anyio.streams.memory import MemoryObjectReceiveStream
 
     from workers.messages import WorkerEvent
 

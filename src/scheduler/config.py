@@ -94,13 +94,12 @@ def _explain(message: str) -> str:
     """Turn msgspec's `... - at `$.worker.max_batch`` into `worker.max_batch: ...`."""
     text, sep, where = message.rpartition(" - at `$")
     if not sep:
-        return message
+        text, where = message, ""
     key = where.rstrip("`").lstrip(".")
     if text.startswith("Object contains unknown field"):
         field = text.split("`")[1]
-        key = f"{key}.{field}" if key else field
-        return f"{key}: unknown key"
-    return f"{key}: {text}"
+        return f"{key}.{field}: unknown key" if key else f"{field}: unknown key"
+    return f"{key}: {text}" if key else text
 
 
 def memory_spec(value: str | float) -> tuple[int | None, float | None]:

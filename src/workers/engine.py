@@ -107,7 +107,7 @@ class MLXEngine:
         uids = self._gen.insert(
             [list(a.prompt) for a in admits],
             max_tokens=[a.max_tokens for a in admits],
-            samplers=cast(Any, [self._sampler(a.sampling) for a in admits]),
+            samplers=cast("Any", [self._sampler(a.sampling) for a in admits]),
             stop_sequences=[self._stop(a.stop_token_ids) for a in admits],
         )
         for uid, admit in zip(uids, admits, strict=True):
