@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
     from kvpool.pool import Pool
+from metrics.observer import NullObserver, Observer
 
 log = structlog.get_logger("scheduler")
 
@@ -47,6 +48,7 @@ class Live:
     text: TextStream
     admitted_at: float | None = None
     first_token_at: float | None = None
+    last_token_at: float = 0.0
     completion_tokens: int = 0
     running: bool = False
     ended: bool = False
@@ -81,8 +83,10 @@ class Admission:
         blocks_total: int,
         max_batch: int,
         max_queue: int,
+        observer: Observer | None = None,
     ) -> None:
         self._policy = policy
+        self._obs: Observer = observer or NullObserver()
         self._pool = pool
         self._to_worker = send_to_worker
         self._codec = codec
@@ -186,6 +190,7 @@ class Admission:
             error = QueueFull(f"the waiting queue is full ({self._max_queue} requests)")
         if error is not None:
             self.counters.rejected += 1
+            self._obs.rejected(type(error).__name__)
             log.debug("request_rejected", reason=type(error).__name__)
             with env.reply:
                 env.reply.send_nowait(error)
@@ -204,6 +209,7 @@ class Admission:
         self._policy.push(item, now)
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, rid))
+        self._obs.submitted(msg.tenant, len(msg.prompt))
         log.debug("request_submitted", request_id=rid, tenant=msg.tenant)
         with env.reply:
             env.reply.send_nowait(rid)
@@ -223,6 +229,8 @@ class Admission:
             assert popped is item, "policy.pop() must return what peek() returned"
             live.running, live.blocks, live.admitted_at = True, need, time.perf_counter()
             self._running += 1
+            policy.on_admitted(item, now)
+            self._obs.admitted(live.admitted_at - live.submit.submitted_at)
             params = live.submit.params
             stops = tuple(params.stop_token_ids) + (() if params.ignore_eos else self._eos)
             self._to_worker(
@@ -254,14 +262,20 @@ class Admission:
                 touched.append(live)
             live.pending.append(token)
         c.generated_tokens += len(out.tokens)
+        self._obs.step(out.held, out.t_end - out.t_start, len(out.tokens))
         now = time.perf_counter()
         for live in touched:
             tokens, live.pending = live.pending, []
             text, hit = live.text.add(tokens)
             live.completion_tokens += len(tokens)
+            self._policy.on_tokens(live.item, len(tokens))
             if live.first_token_at is None:
                 live.first_token_at = now
+                self._obs.tokens(len(tokens), now - live.submit.submitted_at, None)
                 log.debug("first_token", request_id=live.item.rid)
+            else:
+                self._obs.tokens(len(tokens), None, now - live.last_token_at)
+            live.last_token_at = now
             if hit:
                 self._end(live, "stop", text, tokens)
                 self._to_worker(Abort([live.item.rid]))
@@ -286,7 +300,7 @@ class Admission:
         if not live.ended:  # an abort we did not ask for cannot happen; end it anyway
             self._end(live, "error", "", [], error="the worker dropped the request")
         del self._live[rid]
-        self._policy.on_served(live.item, live.item.prompt_tokens, live.completion_tokens)
+        self._policy.on_finished(live.item, anyio.current_time())
 
     # ---- endings ----------------------------------------------------------------------------
     def _send(self, live: Live, chunk: Chunk) -> None:
@@ -328,6 +342,7 @@ class Admission:
             pass  # nobody is listening any more; the ending still counts
         live.out.close()
         self.counters.finished += 1
+        self._obs.finished(reason, live.item.prompt_tokens, live.completion_tokens, queue_s, now - t0)
         log.debug("request_finished", request_id=rid, reason=reason,
                   completion_tokens=live.completion_tokens)
         if not live.running:
@@ -362,6 +377,7 @@ class Admission:
                 self._running -= 1
                 await self._pool.call(Release(live.item.rid))
                 self._live.pop(live.item.rid, None)
+                self._policy.on_finished(live.item, anyio.current_time())
         self._deadlines.clear()
 
 

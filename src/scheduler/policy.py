@@ -31,9 +31,13 @@ class QueueItem(msgspec.Struct, frozen=True, kw_only=True):
 
 @runtime_checkable
 class Policy(Protocol):
-    """Orders waiting requests. `pop`/`peek` return None when empty; `remove` of an unknown rid
-    returns None. `on_served` is told about tokens served per tenant; `victim` picks a running
-    request to preempt when memory must be freed (None: preempt nothing)."""
+    """Orders waiting requests.
+
+    Queue: `push`, `peek`, `pop` (None when empty; `pop` returns what `peek` returned at the same
+    `now`), `remove` (None for an unknown rid), `len`. Accounting, called by the admission actor:
+    `on_admitted` when a request enters the batch, `on_tokens` as it is served output tokens,
+    `on_finished` when it leaves the batch for any reason. `victim` picks a running request to
+    preempt when memory must be freed (None: preempt nothing)."""
 
     def push(self, item: QueueItem, now: float) -> None: ...
 
@@ -45,7 +49,11 @@ class Policy(Protocol):
 
     def __len__(self) -> int: ...
 
-    def on_served(self, item: QueueItem, prompt_tokens: int, output_tokens: int) -> None: ...
+    def on_admitted(self, item: QueueItem, now: float) -> None: ...
+
+    def on_tokens(self, item: QueueItem, n: int) -> None: ...
+
+    def on_finished(self, item: QueueItem, now: float) -> None: ...
 
     def victim(self, running: Sequence[QueueItem], now: float) -> QueueItem | None: ...
 
@@ -83,7 +91,13 @@ class FCFS:
     def __len__(self) -> int:
         return len(self._items)
 
-    def on_served(self, item: QueueItem, prompt_tokens: int, output_tokens: int) -> None:
+    def on_admitted(self, item: QueueItem, now: float) -> None:
+        pass
+
+    def on_tokens(self, item: QueueItem, n: int) -> None:
+        pass
+
+    def on_finished(self, item: QueueItem, now: float) -> None:
         pass
 
     def victim(self, running: Sequence[QueueItem], now: float) -> QueueItem | None:
@@ -92,6 +106,9 @@ class FCFS:
 
 PolicyFactory = Callable[[], Policy]
 POLICIES: dict[str, PolicyFactory] = {"fcfs": FCFS}
+_PROTOCOL_METHODS = (
+    "push", "peek", "pop", "remove", "__len__", "on_admitted", "on_tokens", "on_finished", "victim",
+)
 _DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -113,7 +130,7 @@ def make_policy(name: str) -> Policy:
         raise ValueError(f"cannot load policy {name!r}: {exc}") from exc
     policy = cls()
     if not isinstance(policy, Policy):
-        missing = [m for m in ("push", "peek", "pop", "remove", "__len__", "on_served", "victim")
+        missing = [m for m in _PROTOCOL_METHODS
                    if not callable(getattr(policy, m, None))]
         raise ValueError(f"policy {name!r} does not implement the Policy protocol; missing: {missing}")
     return policy
