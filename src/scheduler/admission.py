@@ -191,7 +191,7 @@ class Admission:
         if error is not None:
             self.counters.rejected += 1
             self._obs.rejected(type(error).__name__)
-            log.debug("request_rejected", reason=type(error).__name__)
+            log.debug("request_rejected", reason=type(error).__name__, tenant=msg.tenant)
             with env.reply:
                 env.reply.send_nowait(error)
             env.out.close()
@@ -244,7 +244,7 @@ class Admission:
                     stop_token_ids=tuple(dict.fromkeys(stops)),
                 )
             )
-            log.debug("request_admitted", request_id=item.rid, blocks=need)
+            log.debug("request_admitted", request_id=item.rid, tenant=item.tenant, blocks=need)
 
     # ---- worker events ----------------------------------------------------------------------
     async def _on_step(self, out: StepOutput) -> None:
@@ -272,7 +272,7 @@ class Admission:
             if live.first_token_at is None:
                 live.first_token_at = now
                 self._obs.tokens(len(tokens), now - live.submit.submitted_at, None)
-                log.debug("first_token", request_id=live.item.rid)
+                log.debug("first_token", request_id=live.item.rid, tenant=live.item.tenant)
             else:
                 self._obs.tokens(len(tokens), None, now - live.last_token_at)
             live.last_token_at = now
@@ -343,7 +343,7 @@ class Admission:
         live.out.close()
         self.counters.finished += 1
         self._obs.finished(reason, live.item.prompt_tokens, live.completion_tokens, queue_s, now - t0)
-        log.debug("request_finished", request_id=rid, reason=reason,
+        log.debug("request_finished", request_id=rid, tenant=live.item.tenant, reason=reason,
                   completion_tokens=live.completion_tokens)
         if not live.running:
             del self._live[rid]

@@ -73,8 +73,10 @@ class GPUWorker(Generic[InfoT]):
             await self._started.wait()
             info, error = self._start_result
             if error is not None:
+                log.error("worker_failed", error=f"{type(error).__name__}: {error}", phase="start")
                 raise WorkerStartError(f"the model engine failed to start: {error}") from error
             assert info is not None
+            log.info("worker_started", thread=self._thread.name)
             task_status.started(info)
             await anyio.sleep_forever()
         finally:
