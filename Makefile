@@ -20,7 +20,7 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks $(wildcard examples)
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)
