@@ -12,6 +12,7 @@ import structlog
 
 from kvpool.books import BlockBooks
 from kvpool.pool import Pool, pool_blocks
+from metrics.logging import configure_logging
 from scheduler.admission import Admission
 from scheduler.config import SchedulerConfig, memory_spec
 from scheduler.errors import (
@@ -56,6 +57,9 @@ class Scheduler:
     ) -> None:
         self.config = config if config is not None else SchedulerConfig()
         c = self.config
+        if not structlog.is_configured():
+            # Unconfigured structlog prints every level to stdout; apply [logging] instead.
+            configure_logging(c.logging.format, c.logging.level)
         self._factory = engine_factory or mlx_engine_factory(
             c.model.path,
             cache_dir=c.model.cache_dir,

@@ -83,15 +83,17 @@ async def run_demo(
             rec.e2e_s = time.perf_counter() - t0
 
         async def progress() -> None:
+            tty = out.isatty()
+            start_of_line, end_of_line = ("\r", "") if tty else ("", "\n")
             while True:
-                await anyio.sleep(0.5)
+                await anyio.sleep(0.5 if tty else 2.0)
                 s = sched.stats()
                 elapsed = time.perf_counter() - start
                 done = sum(1 for r in records if r.finish_reason)
                 out.write(
-                    f"\r  {elapsed:5.1f}s  done {done:4d}/{requests}  running {s.running:3d}  "
+                    f"{start_of_line}  {elapsed:5.1f}s  done {done:4d}/{requests}  running {s.running:3d}  "
                     f"waiting {s.waiting:4d}  tokens {s.generated_tokens:6d}  "
-                    f"{s.generated_tokens / elapsed:7.1f} tok/s"
+                    f"{s.generated_tokens / elapsed:7.1f} tok/s{end_of_line}"
                 )
                 out.flush()
 
