@@ -9,9 +9,11 @@ from typing import Annotated, Literal
 import msgspec
 
 from scheduler.errors import ConfigError
-from scheduler.policy import POLICIES, is_dotted_path
+from scheduler.policy import POLICIES, is_dotted_path, known_policies
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
@@ -28,15 +30,67 @@ class ModelSection(_Section):
     """Where synthetic models are built; default `$MLX_SCHEDULER_CACHE` or ~/.cache/mlx-scheduler."""
 
 
+class SJFOptions(_Section):
+    """`[scheduler.sjf]`."""
+
+    max_wait_s: NonNegativeFloat = 30.0
+    """A request waiting this long goes before every younger one (0: plain arrival order)."""
+
+
+class TenantOptions(_Section):
+    """`[scheduler.fair.tenants.<name>]`."""
+
+    weight: PositiveFloat = 1.0
+    """Share of service relative to other tenants: weight 2 gets twice the tokens of weight 1."""
+
+
+class FairOptions(_Section):
+    """`[scheduler.fair]`: costs of the Virtual Token Counter."""
+
+    input_weight: NonNegativeFloat = 1.0
+    """Cost of one prompt token, charged when the request is admitted."""
+    output_weight: NonNegativeFloat = 2.0
+    """Cost of one generated token (the paper's 2:1, like API prices)."""
+    default_weight: PositiveFloat = 1.0
+    """Weight of a tenant not listed under `tenants`."""
+    tenants: dict[str, TenantOptions] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.input_weight == self.output_weight == 0:
+            raise ValueError("input_weight and output_weight are both 0; fair would count nothing")
+
+
+class EDFOptions(_Section):
+    """`[scheduler.edf]`."""
+
+    default_deadline_s: PositiveFloat | None = None
+    """Requests without a timeout are ordered as if due this long after arrival (never timed out
+    for it); None: after every request that has a deadline."""
+
+
 class SchedulingSection(_Section):
     policy: str = "fcfs"
     max_queue: PositiveInt = 4096
+    shutdown: Literal["abort", "drain"] = "abort"
+    """On leaving `async with`: cancel what is in flight, or let running requests finish."""
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    sjf: SJFOptions = msgspec.field(default_factory=SJFOptions)
+    fair: FairOptions = msgspec.field(default_factory=FairOptions)
+    edf: EDFOptions = msgspec.field(default_factory=EDFOptions)
+    custom: dict[str, object] = msgspec.field(default_factory=dict)
+    """Keyword arguments for a `package.module:Class` policy."""
 
 
 class WorkerSection(_Section):
     max_batch: PositiveInt = 64
     prefill_batch: PositiveInt = 8
     prefill_step: PositiveInt = 512
+    step_token_budget: Annotated[int, msgspec.Meta(ge=0)] | Literal["auto"] = "auto"
+    """Prompt tokens prefilled per engine step while others decode: bounds their inter-token
+    latency (stall-free batching). "auto": on CPU, what keeps a full batch fed, spread over steps;
+    on a GPU, off. 0 turns the bound off."""
+    on_failure: Literal["restart", "close"] = "restart"
+    """After a failed step: a fresh BatchGenerator serves the queue, or the scheduler closes."""
 
 
 class KVPoolSection(_Section):
@@ -60,9 +114,8 @@ class SchedulerConfig(_Section):
     def __post_init__(self) -> None:
         policy = self.scheduler.policy
         if policy not in POLICIES and not is_dotted_path(policy):
-            known = ", ".join(sorted(POLICIES))
             raise ConfigError(
-                f"scheduler.policy: unknown policy {policy!r}; known policies: {known}, "
+                f"scheduler.policy: unknown policy {policy!r}; known policies: {known_policies()}, "
                 "or a dotted path 'package.module:Class'"
             )
         memory_spec(self.kvpool.memory)  # raises ConfigError naming kvpool.memory
@@ -90,6 +143,11 @@ class SchedulerConfig(_Section):
         return msgspec.structs.replace(self, model=msgspec.structs.replace(self.model, path=path))
 
 
+_POLICY_OPTIONS: dict[str, type[_Section]] = {
+    "scheduler.sjf": SJFOptions, "scheduler.fair": FairOptions, "scheduler.edf": EDFOptions,
+}
+
+
 def _explain(message: str) -> str:
     """Turn msgspec's `... - at `$.worker.max_batch`` into `worker.max_batch: ...`."""
     text, sep, where = message.rpartition(" - at `$")
@@ -98,6 +156,10 @@ def _explain(message: str) -> str:
     key = where.rstrip("`").lstrip(".")
     if text.startswith("Object contains unknown field"):
         field = text.split("`")[1]
+        section = _POLICY_OPTIONS.get(key)
+        if section is not None:  # name the policy and what it does take
+            takes = ", ".join(section.__struct_fields__)
+            return f"{key}.{field}: unknown option of policy {key[10:]!r}; it takes: {takes}"
         return f"{key}.{field}: unknown key" if key else f"{field}: unknown key"
     return f"{key}: {text}" if key else text
 

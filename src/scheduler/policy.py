@@ -1,18 +1,27 @@
 """Scheduling policies: a small pure protocol and a registry of named implementations.
 
 A policy orders the waiting queue. It does no I/O and reads no clock: the admission actor passes
-`now`. The policies issue adds priority, sjf, fair and edf behind the same protocol.
+`now`. The implementations live in `scheduler.policies`; `make_policy` builds one from config.
 """
 
 from __future__ import annotations
 
 import importlib
 import re
-from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
+
+from scheduler.policies import EDF, FCFS, SJF, Fair, Priority
+
+if TYPE_CHECKING:
+    from scheduler.config import SchedulingSection
+
+__all__ = [
+    "EDF", "FCFS", "POLICIES", "SJF", "Fair", "Policy", "PolicyFactory", "Priority", "QueueItem",
+    "is_dotted_path", "known_policies", "make_policy",
+]
 
 
 class QueueItem(msgspec.Struct, frozen=True, kw_only=True):
@@ -31,13 +40,19 @@ class QueueItem(msgspec.Struct, frozen=True, kw_only=True):
 
 @runtime_checkable
 class Policy(Protocol):
-    """Orders waiting requests.
+    """Orders waiting requests. Pure: no I/O, no clock reads; every `now` comes from the caller.
 
-    Queue: `push`, `peek`, `pop` (None when empty; `pop` returns what `peek` returned at the same
-    `now`), `remove` (None for an unknown rid), `len`. Accounting, called by the admission actor:
-    `on_admitted` when a request enters the batch, `on_tokens` as it is served output tokens,
-    `on_finished` when it leaves the batch for any reason. `victim` picks a running request to
-    preempt when memory must be freed (None: preempt nothing)."""
+    Queue (push, pop, remove O(log n) or lazy):
+    - `push(item, now)`: a request joins the queue (a preempted one joins again).
+    - `peek(now)`: the request to admit next, None when there is none; `pop(now)` right after, at
+      the same `now`, takes out and returns that same object.
+    - `remove(rid)`: take a queued request out (cancel, timeout); None when it is not queued.
+    - `len()`: queued requests, counting any the policy holds back (edf: past their deadline).
+    Accounting, called by the admission actor:
+    - `on_admitted(item, now)`: it entered the batch; `on_tokens(item, n)`: it was served n output
+      tokens; `on_finished(item, now)`: it left the batch, for any reason.
+    Preemption: `victim(running, now)`: the running request to preempt when memory must be freed;
+    None: preempt nothing."""
 
     def push(self, item: QueueItem, now: float) -> None: ...
 
@@ -58,54 +73,25 @@ class Policy(Protocol):
     def victim(self, running: Sequence[QueueItem], now: float) -> QueueItem | None: ...
 
 
-class FCFS:
-    """First come, first served. O(1) push/pop; removal is lazy (skipped at the head)."""
-
-    def __init__(self) -> None:
-        self._order: deque[int] = deque()
-        self._items: dict[int, QueueItem] = {}
-
-    def push(self, item: QueueItem, now: float) -> None:
-        self._order.append(item.rid)
-        self._items[item.rid] = item
-
-    def _head(self) -> int | None:
-        while self._order and self._order[0] not in self._items:
-            self._order.popleft()
-        return self._order[0] if self._order else None
-
-    def peek(self, now: float) -> QueueItem | None:
-        rid = self._head()
-        return None if rid is None else self._items[rid]
-
-    def pop(self, now: float) -> QueueItem | None:
-        rid = self._head()
-        if rid is None:
-            return None
-        self._order.popleft()
-        return self._items.pop(rid)
-
-    def remove(self, rid: int) -> QueueItem | None:
-        return self._items.pop(rid, None)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def on_admitted(self, item: QueueItem, now: float) -> None:
-        pass
-
-    def on_tokens(self, item: QueueItem, n: int) -> None:
-        pass
-
-    def on_finished(self, item: QueueItem, now: float) -> None:
-        pass
-
-    def victim(self, running: Sequence[QueueItem], now: float) -> QueueItem | None:
-        return max(running, key=lambda r: r.seq, default=None)  # the newest loses the least work
+PolicyFactory = Callable[["SchedulingSection"], Policy]
+"""Builds a policy from the `[scheduler]` section (its per-policy option tables)."""
 
 
-PolicyFactory = Callable[[], Policy]
-POLICIES: dict[str, PolicyFactory] = {"fcfs": FCFS}
+def _fair(section: SchedulingSection) -> Policy:
+    o = section.fair
+    return Fair(
+        input_weight=o.input_weight, output_weight=o.output_weight, default_weight=o.default_weight,
+        weights={tenant: t.weight for tenant, t in o.tenants.items()},
+    )
+
+
+POLICIES: dict[str, PolicyFactory] = {
+    "fcfs": lambda section: FCFS(),
+    "priority": lambda section: Priority(),
+    "sjf": lambda section: SJF(max_wait_s=section.sjf.max_wait_s),
+    "fair": _fair,
+    "edf": lambda section: EDF(default_deadline_s=section.edf.default_deadline_s),
+}
 _PROTOCOL_METHODS = (
     "push", "peek", "pop", "remove", "__len__", "on_admitted", "on_tokens", "on_finished", "victim",
 )
@@ -116,21 +102,40 @@ def is_dotted_path(name: str) -> bool:
     return bool(_DOTTED.match(name))
 
 
-def make_policy(name: str) -> Policy:
-    """A policy by registry name or `package.module:Class`; errors say what is wrong."""
+def known_policies() -> str:
+    """The registry's names in registry order, for error messages."""
+    return ", ".join(POLICIES)
+
+
+def make_policy(config: str | SchedulingSection) -> Policy:
+    """A policy from the `[scheduler]` section (or a bare name, with default options): a registry
+    name or `package.module:Class`, built with `[scheduler.custom]` as keyword arguments."""
+    if isinstance(config, str):
+        from scheduler.config import SchedulingSection  # config imports this module
+
+        config = SchedulingSection(policy=config)
+    name = config.policy
     if name in POLICIES:
-        return POLICIES[name]()
+        return POLICIES[name](config)
     if not is_dotted_path(name):
-        known = ", ".join(sorted(POLICIES))
-        raise ValueError(f"unknown policy {name!r}; known policies: {known}, or 'package.module:Class'")
+        raise ValueError(
+            f"unknown policy {name!r}; known policies: {known_policies()}, or 'package.module:Class'"
+        )
     module_name, _, class_name = name.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load policy {name!r}: {exc}") from exc
-    policy = cls()
+    if not callable(cls):
+        raise ValueError(f"policy {name!r} is not a class, got {type(cls).__name__}")
+    try:
+        policy = cls(**config.custom)
+    except TypeError as exc:
+        options = ", ".join(config.custom) or "none"
+        raise ValueError(
+            f"policy {name!r} cannot be built with the options of [scheduler.custom] ({options}): {exc}"
+        ) from exc
     if not isinstance(policy, Policy):
-        missing = [m for m in _PROTOCOL_METHODS
-                   if not callable(getattr(policy, m, None))]
+        missing = [m for m in _PROTOCOL_METHODS if not callable(getattr(policy, m, None))]
         raise ValueError(f"policy {name!r} does not implement the Policy protocol; missing: {missing}")
     return policy
