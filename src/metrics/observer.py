@@ -25,6 +25,14 @@ class Observer(Protocol):
 
     def step(self, batch: int, step_s: float, tokens: int) -> None: ...
 
+    def preempted(self) -> None:
+        """A running request was preempted (its blocks freed, the request requeued)."""
+        ...
+
+    def prefix_query(self, hit_tokens: int, total_tokens: int) -> None:
+        """A prompt of `total_tokens` was looked up in the prefix cache; `hit_tokens` were found."""
+        ...
+
 
 class NullObserver:
     """Observes nothing."""
@@ -47,4 +55,10 @@ class NullObserver:
         pass
 
     def step(self, batch: int, step_s: float, tokens: int) -> None:
+        pass
+
+    def preempted(self) -> None:
+        pass
+
+    def prefix_query(self, hit_tokens: int, total_tokens: int) -> None:
         pass

@@ -1,0 +1,303 @@
+"""Peers: one closed-loop workload through four backends, side by side in one run.
+
+(a) a bare `BatchGenerator` tight loop (the ceiling), (b) our `Scheduler` in-process, (c)
+`mlx_lm.server` started here on 127.0.0.1 with its batching flags, driven over HTTP by the same
+load generator as (b), (d) sequential `mlx_lm.stream_generate` (one request at a time, FIFO).
+
+Every backend gets the same prompts (exactly --prompt-tokens tokens), greedy sampling and
+--max-tokens output tokens: the model is a copy of the synthetic one with its EOS rows of the
+(tied) embedding zeroed, so no request stops early on any backend and tokens/s compare fairly.
+
+    python benchmarks/peers.py [--model synthetic:small] [--concurrency 1 8 32 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import anyio
+
+from scheduler import Scheduler, SchedulerConfig
+from scheduler.bench import datasets
+from scheduler.bench.mlxlm import MlxLmServer
+from scheduler.bench.report import Report, build_report
+from scheduler.bench.runner import Load, RunResult, run_load
+from scheduler.bench.targets import OpenAITarget, Record, Sampling, SchedulerTarget
+from workers.models import load_model, resolve_model
+
+BACKENDS = ("bare", "scheduler", "mlx_lm.server", "sequential")
+GREEDY = Sampling(temperature=0.0, ignore_eos=True)
+
+
+def no_eos_model(name: str, cache_dir: str | None) -> Path:
+    """A copy of `name` whose EOS embedding rows are zero: its logit is 0 while the argmax over
+    thousands of random rows is positive, so greedy decoding never ends a request early."""
+    import mlx.core as mx
+
+    src = resolve_model(name, cache_dir)
+    dst = src.with_name(src.name + "-noeos")
+    if (dst / "config.json").is_file():
+        return dst
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    shutil.copytree(src, tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    eos = config["eos_token_id"]
+    eos = eos if isinstance(eos, list) else [eos]
+    for f in tmp.glob("*.safetensors"):
+        weights = mx.load(str(f))
+        for key in ("model.embed_tokens.weight", "lm_head.weight"):
+            if key in weights:
+                w = weights[key]
+                for t in eos:
+                    w[t] = mx.zeros_like(w[t])
+                weights[key] = w
+        mx.save_safetensors(str(f), weights, metadata={"format": "mlx"})
+    tmp.rename(dst)
+    return dst
+
+
+def bare(model: object, prompts: list[list[int]], n: int, max_tokens: int) -> RunResult:
+    """A tight loop over BatchGenerator keeping `n` sequences in flight; stamps every token."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, completion_batch_size=n, prefill_batch_size=min(8, n), prefill_step_size=512)
+    records = [Record(len(p), max_tokens) for p in prompts]
+    todo = list(range(len(prompts)))[::-1]
+    uid_of: dict[int, int] = {}
+    last: dict[int, float] = {}
+    start = time.perf_counter()
+
+    def insert() -> None:
+        i = todo.pop()
+        (uid,) = gen.insert([prompts[i]], max_tokens=[max_tokens])
+        uid_of[uid] = i
+        records[i].sent_at = time.perf_counter() - start
+
+    while todo and len(uid_of) < n:
+        insert()
+    while uid_of:
+        _, responses = gen.next()
+        now = time.perf_counter() - start
+        for r in responses:
+            rec = records[uid_of[r.uid]]
+            if rec.ttft is None:
+                rec.ttft = now - rec.sent_at
+            else:
+                rec.itl.append(now - last[r.uid])
+            last[r.uid] = now
+            rec.output_tokens += 1
+            if r.finish_reason is not None:
+                rec.e2e, rec.done, rec.ok, rec.finish_reason = now - rec.sent_at, True, True, r.finish_reason
+                del uid_of[r.uid]
+                if todo:
+                    insert()
+    gen.close()
+    return RunResult(Load(concurrency=n), records, time.perf_counter() - start, False)
+
+
+def sequential(model: object, tokenizer: object, prompts: list[list[int]], n: int, max_tokens: int) -> RunResult:
+    """`mlx_lm.stream_generate` one request at a time; `n` closed-loop users queue FIFO, so a
+    request arrives when its user's previous one ended and its TTFT includes the wait."""
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+
+    records = [Record(len(p), max_tokens) for p in prompts]
+    ends: list[float] = []
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        arrival = 0.0 if i < n else ends[i - n]  # user of request i-n sends request i
+        rec, last = records[i], 0.0
+        rec.sent_at = arrival
+        for _ in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens):
+            now = time.perf_counter() - start
+            if rec.ttft is None:
+                rec.ttft = now - arrival
+            else:
+                rec.itl.append(now - last)
+            last = now
+            rec.output_tokens += 1
+        ends.append(time.perf_counter() - start)
+        rec.e2e, rec.done, rec.ok, rec.finish_reason = ends[-1] - arrival, True, True, "length"
+    return RunResult(Load(concurrency=n), records, time.perf_counter() - start, False)
+
+
+async def through_scheduler(
+    model_dir: Path, specs: list[datasets.RequestSpec], n: int, worker: str
+) -> RunResult:
+    config = SchedulerConfig.from_toml(
+        f'[model]\npath = "{model_dir}"\n[worker]\nmax_batch = {n}\nprefill_batch = 8\n{worker}\n'
+        f'[kvpool]\nmemory = "8GiB"\n[logging]\nlevel = "warning"\n'
+    )
+    async with Scheduler(config) as sched:
+        return await run_load(SchedulerTarget(sched), specs, Load(concurrency=n), GREEDY, progress=None)
+
+
+async def through_http(url: str, specs: list[datasets.RequestSpec], n: int) -> RunResult:
+    import httpx
+
+    limits = httpx.Limits(max_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600, connect=10), trust_env=False) as c:
+        return await run_load(OpenAITarget(c, url), specs, Load(concurrency=n), GREEDY, progress=None)
+
+
+def run_backend(backend: str, model: object, tokenizer: object, model_dir: Path,
+                specs: list[datasets.RequestSpec], ids: list[list[int]], n: int, max_tokens: int) -> Report:
+    if backend == "bare":
+        run = bare(model, ids, n, max_tokens)
+    elif backend.startswith("scheduler"):
+        # "scheduler:key=value,..." sets [worker] keys, e.g. scheduler:step_token_budget=0
+        worker = "\n".join(kv.replace("=", " = ") for kv in backend.partition(":")[2].split(",") if kv)
+        run = anyio.run(through_scheduler, model_dir, specs, n, worker)
+    elif backend == "mlx_lm.server":
+        with MlxLmServer(model_dir, decode_concurrency=n, prompt_concurrency=8) as server:
+            run = anyio.run(through_http, server.url, specs, n)
+    else:
+        run = sequential(model, tokenizer, ids, n, max_tokens)
+    return build_report(run, label=backend, target=backend, slos_ms={})
+
+
+def row(backend: str, n: int, report: Report, ceiling: float | None) -> dict[str, object]:
+    return {
+        "backend": backend, "concurrency": n, "requests": report.completed, "failed": report.failed,
+        "output_tokens": report.total_output_tokens, "tok_s": report.output_throughput,
+        "ratio_to_bare": report.output_throughput / ceiling if ceiling else None,
+        "ttft_p50_ms": report.ttft_ms.median, "ttft_p99_ms": report.ttft_ms.p99,
+        "itl_p50_ms": report.itl_ms.median, "itl_p99_ms": report.itl_ms.p99,
+        "connect_retries": report.connect_retries,
+    }
+
+
+def print_table(rows: list[dict[str, object]]) -> None:
+    w = max(14, *(len(str(r["backend"])) for r in rows))
+    print(f"\n{'conc':>4} {'backend':<{w}} {'tok/s':>8} {'x bare':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'ITL p50':>8} {'ITL p99':>8} {'tokens':>7}")
+    for r in rows:
+        ratio = "-" if r["ratio_to_bare"] is None else f"{r['ratio_to_bare']:.2f}"
+        print(f"{r['concurrency']:>4} {r['backend']:<{w}} {r['tok_s']:>8.1f} {ratio:>7} "
+              f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f} {r['itl_p50_ms']:>8.1f} "
+              f"{r['itl_p99_ms']:>8.1f} {r['output_tokens']:>7}")
+    peer = {r["concurrency"]: r for r in rows if r["backend"] == "mlx_lm.server"}
+    for ours in (r for r in rows if str(r["backend"]).startswith("scheduler")):
+        other = peer.get(ours["concurrency"])
+        if other is not None:
+            print(f"c={ours['concurrency']}: {ours['backend']} / mlx_lm.server: throughput "
+                  f"x{float(ours['tok_s']) / float(other['tok_s']):.2f}, p99 TTFT "
+                  f"x{float(ours['ttft_p99_ms']) / float(other['ttft_p99_ms']):.2f} (lower is better)")
+
+
+def plot(rows: list[dict[str, object]], levels: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    backends = list(dict.fromkeys(str(r["backend"]) for r in rows))
+    width = 0.8 / len(backends)
+    for k, backend in enumerate(backends):
+        mine = {r["concurrency"]: r for r in rows if r["backend"] == backend}
+        xs = [i + (k - (len(backends) - 1) / 2) * width for i in range(len(levels))]
+        for ax, key in zip(axes, ("tok_s", "ttft_p99_ms", "itl_p99_ms"), strict=True):
+            ax.bar(xs, [float(mine[n][key]) if n in mine else 0.0 for n in levels],
+                   width, label=backend)
+    for ax, title in zip(axes, ("output tokens/s", "p99 TTFT (ms, log)", "p99 ITL (ms, log)"), strict=True):
+        ax.set_xticks(range(len(levels)), [str(n) for n in levels])
+        ax.set_xlabel("concurrent requests (closed loop)")
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[1].set_yscale("log")
+    axes[2].set_yscale("log")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(backends), fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="synthetic:small")
+    ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--waves", type=int, default=2, help="requests per level = max(8, waves x concurrency)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each backend, interleaved; the table keeps each one's best (noisy hosts)")
+    ap.add_argument("--backends", nargs="+", default=list(BACKENDS),
+                    help=f"of {', '.join(BACKENDS)}; 'scheduler:KEY=VALUE,...' sets [worker] keys")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results/peers.json")
+    args = ap.parse_args()
+    for b in args.backends:
+        if b.partition(":")[0] not in BACKENDS:
+            ap.error(f"unknown backend {b!r}; known: {', '.join(BACKENDS)}")
+
+    import mlx.core as mx
+
+    model_dir = no_eos_model(args.model, args.cache_dir)
+    codec = datasets.load_codec(model_dir)
+    maker = datasets.PromptMaker(codec)
+    model, tokenizer = load_model(str(model_dir))
+    load_before = os.getloadavg()
+    rows: list[dict[str, object]] = []
+    runs: list[dict[str, object]] = []
+    for n in args.concurrency:
+        count = max(8, args.waves * n)
+        best: dict[str, dict[str, object]] = {}
+        for rep in range(args.repeat):
+            # Fresh prompts each repetition, so no server-side prompt cache can help a repeat.
+            specs = datasets.build("random", maker, num_prompts=count, input_len=args.prompt_tokens,
+                                   output_len=args.max_tokens, seed=args.seed + n + 1000 * rep)
+            assert all(s.prompt_tokens == args.prompt_tokens for s in specs), "prompt lengths differ"
+            ids = [codec.encode(s.prompt) for s in specs]
+            for backend in args.backends:
+                report = run_backend(backend, model, tokenizer, model_dir, specs, ids, n, args.max_tokens)
+                ceiling = best["bare"]["tok_s"] if "bare" in best else None
+                r = row(backend, n, report, ceiling)
+                r["repeat"] = rep
+                runs.append(r)
+                if backend not in best or r["tok_s"] > best[backend]["tok_s"]:
+                    best[backend] = r
+                print(f"  c={n:<3d} {backend:<14} {r['tok_s']:8.1f} tok/s  TTFT p99 {r['ttft_p99_ms']:8.1f} ms  "
+                      f"ITL p99 {r['itl_p99_ms']:7.1f} ms  tokens {r['output_tokens']}  "
+                      f"load {os.getloadavg()[0]:.1f}", flush=True)
+                expected = count * args.max_tokens
+                if report.total_output_tokens != expected or report.failed:
+                    print(f"    ! {backend}: {report.total_output_tokens} of {expected} tokens, "
+                          f"{report.failed} failed: {report.errors}", flush=True)
+        ceiling = float(best["bare"]["tok_s"]) if "bare" in best else None
+        for backend in args.backends:
+            r = dict(best[backend])
+            r["ratio_to_bare"] = float(r["tok_s"]) / ceiling if ceiling else None
+            rows.append(r)
+    print_table(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "model": args.model, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "waves": args.waves, "repeat": args.repeat, "device": str(mx.default_device()), "mlx": mx.__version__,
+        "python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count(),
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "date": time.strftime("%Y-%m-%d"),
+    }
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=2))
+    png = out.with_suffix(".png")
+    try:
+        plot(rows, args.concurrency, png)
+        print(f"\nwrote {out} and {png}")
+    except ImportError:
+        print(f"\nwrote {out} (no PNG: matplotlib is not installed)")
+    del model
+    gc.collect()  # MLX work in joined threads can abort the interpreter at exit otherwise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Load generation: datasets, targets, runner, report and plots (`mlx-scheduler bench`)."""

@@ -1,0 +1,98 @@
+"""Start `mlx_lm.server` (the MLX reference server) on loopback for a benchmark, stop it after."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pathlib import Path
+    from types import TracebackType
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+class MlxLmServer:
+    """`python -m mlx_lm server --model DIR --host 127.0.0.1 --port P ...` as a context manager:
+    entering waits until `/health` answers (or raises with the server's log tail)."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        decode_concurrency: int = 32,
+        prompt_concurrency: int = 8,
+        extra_args: tuple[str, ...] = (),
+        log_path: Path | None = None,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self._args = [
+            sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--host", HOST,
+            "--port", str(self.port), "--decode-concurrency", str(decode_concurrency),
+            "--prompt-concurrency", str(prompt_concurrency), "--log-level", "WARNING", *extra_args,
+        ]
+        self._log_path = log_path
+        self._timeout = start_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: contextlib.ExitStack = contextlib.ExitStack()
+
+    def __enter__(self) -> MlxLmServer:
+        out = (self._log.enter_context(open(self._log_path, "wb")) if self._log_path is not None
+               else subprocess.DEVNULL)
+        self._proc = subprocess.Popen(self._args, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _wait_ready(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self._timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"mlx_lm server exited with {self._proc.returncode}{self._tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"mlx_lm server not ready after {self._timeout:g} s{self._tail()}")
+
+    def _tail(self) -> str:
+        if self._log_path is None or not self._log_path.is_file():
+            return ""
+        return ":\n" + self._log_path.read_text(errors="replace")[-2000:]
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        self._log.close()
