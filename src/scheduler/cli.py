@@ -10,31 +10,14 @@ import anyio
 import msgspec
 
 from metrics import configure_logging
+from scheduler.argtypes import non_negative_float, positive_int
+from scheduler.bench import cli as bench
 from scheduler.config import SchedulerConfig
 from scheduler.errors import SchedulerError
+from scheduler.http.serve import add_serve_command, serve
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,17 +38,23 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="stream one completion to stdout")
     run.add_argument("prompt", help="the prompt text")
     common(run, None)
-    run.add_argument("--max-tokens", type=_positive_int, default=64, metavar="N")
-    run.add_argument("--temperature", type=_non_negative_float, default=0.0, metavar="T")
+    run.add_argument("--max-tokens", type=positive_int, default=64, metavar="N")
+    run.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T")
     run.add_argument("--seed", type=int, default=None)
 
     demo = sub.add_parser("demo", help="a few hundred concurrent requests, then a latency table")
     common(demo, "synthetic:small")
-    demo.add_argument("--requests", type=_positive_int, default=256, metavar="N")
-    demo.add_argument("--max-tokens", type=_positive_int, default=32, metavar="N")
-    demo.add_argument("--prompt-words", type=_positive_int, default=24, metavar="N")
+    demo.add_argument("--requests", type=positive_int, default=256, metavar="N")
+    demo.add_argument("--max-tokens", type=positive_int, default=32, metavar="N")
+    demo.add_argument("--prompt-words", type=positive_int, default=24, metavar="N")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+
+    common(add_serve_command(sub), None)
+
+    bench_cmd = sub.add_parser("bench", help="load-test our scheduler or an OpenAI-compatible server")
+    common(bench_cmd, None)
+    bench.add_arguments(bench_cmd)
     return parser
 
 
@@ -109,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging(config.logging.format, config.logging.level)
         if args.command == "run":
             anyio.run(_run, args, config)
+        elif args.command == "serve":
+            serve(args, config)
+        elif args.command == "bench":
+            return bench.main(args, config)
         else:
             _demo(args, config)
     except SchedulerError as exc:

@@ -1,0 +1,248 @@
+"""The OpenAI-compatible ASGI app: `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+`/health` and `/metrics` over one `Scheduler`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+import structlog
+from jinja2 import TemplateError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+from starlette.routing import Route
+
+from scheduler.api import Scheduler
+from scheduler.errors import InvalidRequest, SchedulerError
+from scheduler.http import requests as rq
+from scheduler.http import responses as rs
+from scheduler.http.errors import (
+    ApiError,
+    from_scheduler,
+    internal,
+    invalid,
+    json_response,
+    not_found,
+    shutting_down,
+)
+from scheduler.http.sse import ClientGone, EventStream, unless_disconnected
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable
+    from contextlib import AbstractAsyncContextManager
+
+    from starlette.requests import Request
+
+    from scheduler.config import SchedulerConfig
+    from scheduler.stream import RequestStream
+    from scheduler.types import Chunk, SchedulerStats
+
+    Handler = Callable[[Request, str], Awaitable[Response]]
+
+log = structlog.get_logger("scheduler.http")
+
+DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI
+DEFAULT_CHAT_MAX_TOKENS = 512  # /v1/chat/completions, as mlx_lm.server; lowered to fit the context
+_THREAD_TEMPLATE_CHARS = 2048  # longer conversations go through the chat template off the loop
+PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Health(msgspec.Struct, frozen=True):
+    status: str
+    model: str
+    stats: SchedulerStats
+
+
+def create_app(
+    config: SchedulerConfig | None = None,
+    *,
+    scheduler: Scheduler | None = None,
+    model_name: str | None = None,
+) -> Starlette:
+    """The app. With `config` its lifespan starts and closes a `Scheduler`; with a running
+    `scheduler` (embedding, tests) it serves that one and leaves its lifetime to the caller.
+    `model_name` is the id `/v1/models` reports (default: the model's name)."""
+    if (config is None) == (scheduler is None):
+        raise TypeError("create_app takes exactly one of config or scheduler")
+    api = _OpenAI(scheduler, model_name)
+    routes = [
+        Route("/v1/completions", api.endpoint(api.completions, "cmpl", "prompt"), methods=["POST"]),
+        Route("/v1/chat/completions", api.endpoint(api.chat, "chatcmpl", "messages"), methods=["POST"]),
+        Route("/v1/models", api.endpoint(api.models, "models"), methods=["GET"]),
+        Route("/health", api.endpoint(api.health, "health"), methods=["GET"]),
+        Route("/metrics", api.endpoint(api.metrics, "metrics"), methods=["GET"]),
+    ]
+    lifespan = api.lifespan(config) if config is not None else None
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    # Starlette's own 404 and 405, in OpenAI's shape.
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                    type=kind, headers=exc.headers).response()
+
+
+class _OpenAI:
+    """The endpoints. Owns the scheduler reference and whether the server is shutting down."""
+
+    def __init__(self, scheduler: Scheduler | None, model_name: str | None) -> None:
+        self._scheduler = scheduler
+        self._model_name = model_name
+        self._closing = False
+        self._created = int(time.time())
+
+    def lifespan(self, config: SchedulerConfig) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+        @asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            async with Scheduler(config) as sched:
+                self._scheduler = sched
+                try:
+                    yield
+                finally:
+                    self._closing = True  # 503 from here on, while the scheduler drains
+
+        return lifespan
+
+    @property
+    def sched(self) -> Scheduler:
+        if self._scheduler is None or self._closing:
+            raise shutting_down()
+        return self._scheduler
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name or self.sched.model.info.name
+
+    def endpoint(self, handler: Handler, kind: str, prompt_field: str = "prompt") -> Callable[
+        [Request], Awaitable[Response]
+    ]:
+        """Wrap `handler` so every failure becomes an OpenAI-shaped error with its request id."""
+
+        async def endpoint(request: Request) -> Response:
+            rid = f"{kind}-{uuid.uuid4().hex}"
+            headers = {"x-request-id": rid}
+            try:
+                return await handler(request, rid)
+            except ApiError as exc:
+                return exc.response(headers)
+            except SchedulerError as exc:
+                return from_scheduler(exc, rid, prompt_field=prompt_field).response(headers)
+            except ClientGone:
+                log.debug("client_disconnected", request_id=rid)
+                return Response(status_code=499, headers=headers)  # nginx's code; only logs see it
+            except Exception:  # the HTTP boundary: a bug answers 500, the server keeps serving
+                log.exception("request_failed", request_id=rid, path=request.url.path)
+                return internal(rid).response(headers)
+
+        return endpoint
+
+    # ---- endpoints ----------------------------------------------------------------------------
+    async def completions(self, request: Request, rid: str) -> Response:
+        req = rq.decode(await _body(request), rq.CompletionRequest)
+        rq.check_completion(req)
+        sched, head = self.sched, rs.Head(rid, int(time.time()), self.model_name)
+        params = rq.sampling(req, req.max_tokens, DEFAULT_MAX_TOKENS)
+        stream = sched.generate(rq.completion_prompt(req), params, priority=req.priority,
+                                tenant=rq.tenant(req))
+        if req.stream:
+            return await _event_stream(request, rid, stream, rs.CompletionEvents(head, _usage(req)))
+        text, last = await _whole(request, rid, stream)
+        return json_response(rs.completion(head, text, last), headers={"x-request-id": rid})
+
+    async def chat(self, request: Request, rid: str) -> Response:
+        req = rq.decode(await _body(request), rq.ChatRequest)
+        rq.check_chat(req)
+        sched, head = self.sched, rs.Head(rid, int(time.time()), self.model_name)
+        ids = await _chat_ids(sched, rq.chat_messages(req))
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        room = sched.model.info.context_length - len(ids)
+        default = min(DEFAULT_CHAT_MAX_TOKENS, room) if room > 0 else DEFAULT_CHAT_MAX_TOKENS
+        params = rq.sampling(req, max_tokens, default)
+        stream = sched.generate(ids, params, priority=req.priority, tenant=rq.tenant(req))
+        if req.stream:
+            return await _event_stream(request, rid, stream, rs.ChatEvents(head, _usage(req)))
+        text, last = await _whole(request, rid, stream)
+        return json_response(rs.chat_completion(head, text, last), headers={"x-request-id": rid})
+
+    async def models(self, request: Request, rid: str) -> Response:
+        info = self.sched.model.info
+        card = rs.ModelCard(self.model_name, "model", self._created, "mlx-scheduler", info.context_length)
+        return json_response(rs.ModelList("list", [card]))
+
+    async def health(self, request: Request, rid: str) -> Response:
+        sched = self.sched
+        return json_response(Health("ok", self.model_name, sched.stats()))
+
+    async def metrics(self, request: Request, rid: str) -> Response:
+        text_of: Callable[[], str] | None = getattr(self.sched, "metrics_text", None)
+        if text_of is None:
+            raise not_found("GET /metrics: this build has no Prometheus exposition yet "
+                            "(Scheduler.metrics_text is missing)")
+        return Response(text_of(), media_type=PROMETHEUS)
+
+
+def _usage(req: rq.CompletionRequest | rq.ChatRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+async def _body(request: Request) -> bytes:
+    body = bytearray()
+    try:
+        async for part in request.stream():
+            body += part
+            if len(body) > rq.MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is larger than {rq.MAX_BODY_BYTES} bytes",
+                               type="invalid_request_error")
+    except ClientDisconnect:
+        raise ClientGone from None
+    return bytes(body)
+
+
+async def _chat_ids(sched: Scheduler, messages: list[dict[str, str]]) -> list[int]:
+    try:
+        if sum(len(m["content"]) for m in messages) > _THREAD_TEMPLATE_CHARS:
+            return await anyio.to_thread.run_sync(sched.chat_prompt, messages)
+        return sched.chat_prompt(messages)
+    except InvalidRequest:
+        raise
+    except (TemplateError, ValueError, TypeError) as exc:  # templates raise on roles they refuse
+        raise invalid(f"messages: the model's chat template rejected them: {exc}", "messages") from None
+
+
+async def _event_stream(
+    request: Request, rid: str, stream: RequestStream, render: Callable[[Chunk], list[bytes]]
+) -> Response:
+    # The first chunk comes before the 200: a full queue or a bad prompt still gets its status.
+    try:
+        first = await unless_disconnected(request.receive, stream.__anext__)
+    except BaseException:
+        await stream.aclose()
+        raise
+    return EventStream(stream, first, render, rid)
+
+
+async def _whole(request: Request, rid: str, stream: RequestStream) -> tuple[str, Chunk]:
+    async def collect() -> tuple[str, Chunk]:
+        text: list[str] = []
+        async for chunk in stream:
+            text.append(chunk.text)
+            if chunk.finish_reason is not None:
+                return "".join(text), chunk
+        raise AssertionError("a request stream ends with a finish_reason")
+
+    async with stream:
+        text, last = await unless_disconnected(request.receive, collect)
+    if last.finish_reason == "cancelled":
+        raise shutting_down()
+    if last.finish_reason == "error":
+        log.error("request_failed", request_id=rid, error=last.error)
+        raise internal(rid)
+    return text, last

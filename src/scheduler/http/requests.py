@@ -1,0 +1,193 @@
+"""OpenAI request bodies as msgspec Structs, checked and mapped onto the scheduler's arguments.
+
+Unknown fields are ignored (clients send many); known OpenAI features this server cannot honour
+(n > 1, logprobs, penalties, tools, ...) are rejected with a 400 that names the field."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+import msgspec
+
+from scheduler.http.errors import ApiError, invalid
+from scheduler.params import SamplingParams
+
+T = TypeVar("T")
+
+MAX_BODY_BYTES = 16 * 2**20
+MAX_USER_CHARS = 256  # the scheduler's limit on a tenant name
+_AT = re.compile(r"^(.*) - at `\$\.?(.*)`$")
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool | None = None
+
+
+class _Request(msgspec.Struct, kw_only=True, frozen=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Extensions: scheduling priority (lower first, as in vLLM); sampler knobs mlx_lm.server takes.
+    priority: int = 0
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool | None = None
+
+
+class CompletionRequest(_Request, kw_only=True, frozen=True):
+    prompt: str | list[str | int | list[int]]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct, frozen=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True):
+    type: str
+
+
+class ChatRequest(_Request, kw_only=True, frozen=True):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: ResponseFormat | None = None
+
+
+def decode(body: bytes, kind: type[T]) -> T:
+    """The request as `kind`, or a 400 naming the field that is wrong."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise _explain(str(exc)) from None
+    except msgspec.DecodeError:
+        raise invalid("the request body is not valid JSON") from None
+
+
+def _explain(message: str) -> ApiError:
+    # msgspec says "Expected `int | null`, got `str` - at `$.max_tokens`"; say "max_tokens: ..." instead.
+    match = _AT.match(message)
+    if match is None:
+        if message.startswith("Object missing required field"):
+            field = message.split("`")[1]
+            return invalid(f"{field} is required", field)
+        return invalid("the request body must be a JSON object")
+    what, where = match.groups()
+    return invalid(f"{where}: {what[0].lower()}{what[1:]}", re.split(r"[.\[]", where, maxsplit=1)[0])
+
+
+def check_common(req: _Request) -> None:
+    """Reject what this server cannot do rather than silently doing something else."""
+    if req.n not in (None, 1):
+        raise invalid(f"n must be 1 (one choice per request), got {req.n}", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0):
+            raise invalid(f"{name} is not supported; leave it unset or 0", name)
+    if req.logit_bias:
+        raise invalid("logit_bias is not supported", "logit_bias")
+    if req.user is not None and len(req.user) > MAX_USER_CHARS:
+        raise invalid(f"user must have at most {MAX_USER_CHARS} characters", "user")
+
+
+def check_completion(req: CompletionRequest) -> None:
+    check_common(req)
+    if req.best_of not in (None, 1):
+        raise invalid(f"best_of must be 1, got {req.best_of}", "best_of")
+    if req.echo:
+        raise invalid("echo is not supported", "echo")
+    if req.suffix:
+        raise invalid("suffix is not supported", "suffix")
+    if req.logprobs is not None:
+        raise invalid("logprobs is not supported", "logprobs")
+
+
+def check_chat(req: ChatRequest) -> None:
+    check_common(req)
+    if req.logprobs or req.top_logprobs:
+        raise invalid("logprobs is not supported", "logprobs")
+    if req.tools:
+        raise invalid("tools are not supported", "tools")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise invalid(f"response_format {req.response_format.type!r} is not supported; only 'text'",
+                      "response_format")
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request: text, or token ids used as given."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt:
+        raise invalid("prompt is empty", "prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [t for t in prompt if isinstance(t, int)]
+    if len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return prompt[0]
+    if len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise invalid(f"prompt holds a batch of {len(prompt)} prompts; send one per request", "prompt")
+    raise invalid("prompt must be a string, a list of token ids, or a list holding one of those",
+                  "prompt")
+
+
+def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
+    """Messages as the chat template takes them; content parts must be text."""
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(req.messages):
+        if m.content is None or isinstance(m.content, str):
+            content = m.content or ""
+        else:
+            texts: list[str] = []
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise invalid(
+                        f"messages[{i}].content: only text parts are supported, got {part.type!r}",
+                        "messages",
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        out.append({"role": m.role, "content": content})
+    if not out:
+        raise invalid("messages must not be empty", "messages")
+    return out
+
+
+def sampling(req: _Request, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+    """`SamplingParams` for the request; it raises `InvalidRequest` naming a bad field."""
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return SamplingParams(
+        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        stop=stop,
+        ignore_eos=bool(req.ignore_eos),
+    )
+
+
+def tenant(req: _Request) -> str:
+    """OpenAI's `user` is the scheduler's tenant (fair sharing, logs)."""
+    return req.user or "default"
