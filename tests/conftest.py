@@ -24,9 +24,23 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(root) if root else tmp_path_factory.mktemp("models")
 
 
-def pytest_configure(config: pytest.Config) -> None:
+_DEVNULL = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the test session
+
+
+def _quiet_structlog() -> None:
     # Keep lifecycle logs out of test output; capture_logs() still sees every event.
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(open(os.devnull, "w")))
+    structlog.reset_defaults()
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(_DEVNULL))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _quiet_structlog()
+
+
+@pytest.fixture(autouse=True)
+def _structlog_per_test() -> Iterator[None]:
+    yield
+    _quiet_structlog()  # a test that ran the CLI configured logging for the whole process
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -8,12 +8,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from workers.engine import StepResult
 from workers.factory import Loaded
 from workers.models import ModelInfo
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from workers.budget import PrefillBudget
     from workers.messages import Admit
 
 VOCAB = 64
@@ -55,6 +57,7 @@ class FakeCodec:
 class _Seq:
     admit: Admit
     emitted: int = 0
+    prefilled: int = 0
 
 
 @dataclass
@@ -72,13 +75,18 @@ class FakeEngine:
     seqs: dict[int, _Seq] = field(default_factory=dict)
     inserted: list[int] = field(default_factory=list)
     max_held: int = 0
+    resets: int = 0
+    budget: PrefillBudget | None = None
+    """When set, prompts are prefilled in chunks the budget plans, before they decode."""
+    max_batch: int = 64
+    prefill_log: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.gate.set()
 
     def insert(self, admits: Sequence[Admit]) -> None:
         for a in admits:
-            self.seqs[a.rid] = _Seq(a)
+            self.seqs[a.rid] = _Seq(a, prefilled=0 if self.budget is not None else len(a.prompt))
             self.inserted.append(a.rid)
         self.max_held = max(self.max_held, len(self.seqs))
 
@@ -86,16 +94,18 @@ class FakeEngine:
         for rid in rids:
             self.seqs.pop(rid, None)
 
-    def step(self) -> tuple[list[int], list[int], list[int], list[str]]:
+    def step(self) -> StepResult:
         self.gate.wait()
         if self.step_delay:
             time.sleep(self.step_delay)  # on the worker thread, like a real forward pass
         self.steps += 1
-        if self.fail_at_step is not None and self.steps >= self.fail_at_step:
+        if self.fail_at_step is not None and self.steps == self.fail_at_step:
             raise RuntimeError(f"injected failure at step {self.steps}")
+        decoding = [q for q in self.seqs.values() if q.prefilled >= len(q.admit.prompt)]
+        prefill_tokens = self._prefill(len(decoding)) if self.budget is not None else 0
         rids, tokens, finished, reasons = [], [], [], []
-        for rid, seq in list(self.seqs.items()):
-            k = seq.emitted
+        for seq in decoding:
+            rid, k = seq.admit.rid, seq.emitted
             seq.emitted += 1
             if self.eos_after is not None and k == self.eos_after and EOS in seq.admit.stop_token_ids:
                 finished.append(rid)
@@ -108,13 +118,37 @@ class FakeEngine:
                 finished.append(rid)
                 reasons.append("length")
                 del self.seqs[rid]
-        return rids, tokens, finished, reasons
+        return StepResult(rids, tokens, finished, reasons, prefill_tokens)
+
+    def _prefill(self, decoding: int) -> int:
+        """Like BatchGenerator: one chunk for each prompt in prefill; padded to the longest piece."""
+        assert self.budget is not None
+        started = [q for q in self.seqs.values() if 0 < q.prefilled < len(q.admit.prompt)]
+        waiting = [q for q in self.seqs.values() if q.prefilled == 0]
+        chunk, cap = self.budget.plan(
+            decoding=decoding, in_prefill=len(started), waiting=len(waiting),
+            room=self.max_batch - decoding,
+        )
+        batch = started + waiting[: max(0, min(cap - len(started), self.max_batch - decoding))]
+        pieces = [min(chunk, len(q.admit.prompt) - q.prefilled) for q in batch]
+        for q, n in zip(batch, pieces, strict=True):
+            q.prefilled += n
+        work = len(pieces) * max(pieces, default=0)
+        self.prefill_log.append((decoding, work))
+        return work
 
     def has_work(self) -> bool:
         return bool(self.seqs)
 
     def held(self) -> int:
         return len(self.seqs)
+
+    def rids(self) -> list[int]:
+        return list(self.seqs)
+
+    def reset(self) -> None:
+        self.seqs.clear()
+        self.resets += 1
 
     def close(self) -> None:
         self.closed = True

@@ -204,8 +204,9 @@ async def test_pool_budget_limits_how_many_run_at_once() -> None:
 
 async def test_worker_failure_ends_everyone_with_error_then_closes() -> None:
     engine = FakeEngine(fail_at_step=3)
+    cfg = config(worker={"max_batch": 2, "on_failure": "close"})
     with anyio.fail_after(10), capture_logs() as logs:
-        async with Scheduler(config(worker={"max_batch": 2}), engine_factory=fake_factory(engine)) as s:
+        async with Scheduler(cfg, engine_factory=fake_factory(engine)) as s:
             async with anyio.create_task_group() as tg:
                 outcomes = []
 
@@ -298,3 +299,15 @@ async def test_worker_thread_is_joined_on_exit() -> None:
             await s.complete([1], SamplingParams(max_tokens=2))
             assert any(t.name == "mlx-worker" for t in threading.enumerate())
     assert not any(t.name == "mlx-worker" for t in threading.enumerate())
+
+
+async def test_aclose_inside_the_block_does_not_cancel_the_caller() -> None:
+    with anyio.fail_after(10):
+        async with Scheduler(engine_factory=fake_factory(FakeEngine())) as s:
+            await s.complete([1], SamplingParams(max_tokens=2))
+            await s.aclose()
+            await anyio.sleep(0.01)  # the caller's own code goes on after an early close
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.sleep, 0.01)
+            with pytest.raises(SchedulerClosed):
+                await s.complete([1], SamplingParams(max_tokens=2))

@@ -104,6 +104,7 @@ class Admission:
         self._next_rid = 0
         self._running = 0
         self._closed: str | None = None
+        self._drain_until: float | None = None
         self.counters = Counters()
 
     # ---- views ---------------------------------------------------------------------------
@@ -145,13 +146,15 @@ class Admission:
                     except anyio.WouldBlock:
                         break
                 for msg in batch:
-                    if isinstance(msg, Close):
-                        await self._close("cancelled", None)
-                        return
                     await self._handle(msg)
                     await self._admit()  # so the queue bound counts only what really waits
                 await self._expire()
                 await self._admit()
+                if self._drain_until is not None and (
+                    self._running == 0 or anyio.current_time() >= self._drain_until
+                ):
+                    await self._close("cancelled", None)
+                    return
 
     async def _handle(self, msg: Inbox) -> None:
         match msg:
@@ -161,17 +164,28 @@ class Admission:
                 await self._cancel(rid, "cancelled")
             case StepOutput():
                 await self._on_step(msg)
-            case WorkerFailed(message):
-                log.error("worker_failed", error=message)
-                self._closed = f"the worker failed: {message}"
-                await self._close("error", message)
+            case WorkerFailed(message, lost, restarted, held):
+                log.error("worker_failed", error=message, lost=len(lost), restarted=restarted)
+                if restarted:
+                    self.counters.engine_batch = held
+                    for rid in lost:
+                        await self._dropped_by_worker(rid, error=message)
+                else:
+                    self._closed = f"the worker failed: {message}"
+                    await self._close("error", message)
+            case Close(drain_s):
+                self._closed = "the scheduler is shutting down"
+                for live in [v for v in self._live.values() if not v.running]:
+                    await self._cancel(live.item.rid, "cancelled")
+                self._drain_until = anyio.current_time() + drain_s
 
     def _until_next_deadline(self) -> float:
         while self._deadlines and self._deadlines[0][1] not in self._live:
             heapq.heappop(self._deadlines)
-        if not self._deadlines:
-            return math.inf
-        return max(0.0, self._deadlines[0][0] - anyio.current_time())
+        until = self._deadlines[0][0] if self._deadlines else math.inf
+        if self._drain_until is not None:
+            until = min(until, self._drain_until)
+        return max(0.0, until - anyio.current_time())
 
     # ---- submission and admission ----------------------------------------------------------
     def _submit(self, env: SubmitEnvelope) -> None:
@@ -215,6 +229,7 @@ class Admission:
             env.reply.send_nowait(rid)
 
     async def _admit(self) -> None:
+        await self._expire()  # a request past its deadline is never admitted
         policy = self._policy
         while self._running < self._max_batch and self._closed is None:
             now = anyio.current_time()
@@ -262,7 +277,8 @@ class Admission:
                 touched.append(live)
             live.pending.append(token)
         c.generated_tokens += len(out.tokens)
-        self._obs.step(out.held, out.t_end - out.t_start, len(out.tokens))
+        if out.t_end > out.t_start:  # not a message that only confirms aborts
+            self._obs.step(out.held, out.t_end - out.t_start, len(out.tokens))
         now = time.perf_counter()
         for live in touched:
             tokens, live.pending = live.pending, []
@@ -289,7 +305,7 @@ class Admission:
                 self._end(live, "length" if reason == "length" else "stop", live.text.finish(), [])
             await self._dropped_by_worker(rid)
 
-    async def _dropped_by_worker(self, rid: int) -> None:
+    async def _dropped_by_worker(self, rid: int, *, error: str | None = None) -> None:
         """The worker no longer holds `rid`: free its slot and blocks."""
         live = self._live.get(rid)
         if live is None or not live.running:
@@ -297,9 +313,9 @@ class Admission:
         live.running = False
         self._running -= 1
         await self._pool.call(Release(rid))
-        if not live.ended:  # an abort we did not ask for cannot happen; end it anyway
-            self._end(live, "error", "", [], error="the worker dropped the request")
-        del self._live[rid]
+        if not live.ended:  # lost in a failed step (or dropped unasked, which must not happen)
+            self._end(live, "error", "", [], error=error or "the worker dropped the request")
+        self._live.pop(rid, None)
         self._policy.on_finished(live.item, anyio.current_time())
 
     # ---- endings ----------------------------------------------------------------------------

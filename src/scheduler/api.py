@@ -13,6 +13,7 @@ import structlog
 from kvpool.books import BlockBooks
 from kvpool.pool import Pool, pool_blocks
 from metrics.logging import configure_logging
+from metrics.prometheus import SchedulerMetrics
 from scheduler.admission import Admission
 from scheduler.config import SchedulerConfig, memory_spec
 from scheduler.errors import (
@@ -28,6 +29,7 @@ from scheduler.policy import make_policy
 from scheduler.stream import RequestStream
 from scheduler.types import Chunk, Completion, SchedulerStats
 from workers.factory import Loaded, mlx_engine_factory
+from workers.faults import FaultPlan, with_faults
 from workers.worker import EngineFactory, GPUWorker, WorkerStartError
 
 if TYPE_CHECKING:
@@ -54,7 +56,10 @@ class Scheduler:
         config: SchedulerConfig | None = None,
         *,
         engine_factory: EngineFactory[Loaded] | None = None,
+        faults: FaultPlan | None = None,
     ) -> None:
+        """`engine_factory` replaces the real engine (tests of actor logic); `faults` injects
+        worker failures, stalls or a failed load (reliability tests)."""
         self.config = config if config is not None else SchedulerConfig()
         c = self.config
         if not structlog.is_configured():
@@ -66,15 +71,21 @@ class Scheduler:
             max_batch=c.worker.max_batch,
             prefill_batch=c.worker.prefill_batch,
             prefill_step=c.worker.prefill_step,
+            step_token_budget=c.worker.step_token_budget,
         )
+        if faults is not None:
+            self._factory = with_faults(self._factory, faults)
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
+        self._actors = _Scopes()
         self._admission: Admission | None = None
         self._pool: Pool | None = None
         self._loaded: Loaded | None = None
         self._state = "new"
         self._done = anyio.Event()
         self._worker_done = anyio.Event()
+        # A registry per scheduler, so two in one process never collide; gauges read at scrape.
+        self.metrics = SchedulerMetrics(lambda: self.stats() if self._admission is not None else None)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> Scheduler:
@@ -83,13 +94,15 @@ class Scheduler:
         self._state = "starting"
         c = self.config
         try:
-            policy = make_policy(c.scheduler.policy)
+            policy = make_policy(c.scheduler)
         except ValueError as exc:
             raise ConfigError(f"scheduler.policy: {exc}") from None
         stack = AsyncExitStack()
         tg = await stack.enter_async_context(anyio.create_task_group())
         try:
-            worker: GPUWorker[Loaded] = GPUWorker(self._factory, self._on_worker_event)
+            worker: GPUWorker[Loaded] = GPUWorker(
+                self._factory, self._on_worker_event, restart=c.worker.on_failure == "restart"
+            )
             try:
                 loaded: Loaded = await tg.start(self._run_worker, worker)
             except WorkerStartError as exc:
@@ -104,7 +117,7 @@ class Scheduler:
                 )
             self._pool = Pool(BlockBooks(blocks, c.kvpool.block_tokens,
                                          c.kvpool.block_tokens * info.kv_bytes_per_token))
-            await tg.start(self._pool.run)
+            await tg.start(self._run_pool, self._pool)
             self._admission = Admission(
                 policy=policy,
                 pool=self._pool,
@@ -115,6 +128,7 @@ class Scheduler:
                 blocks_total=blocks,
                 max_batch=c.worker.max_batch,
                 max_queue=c.scheduler.max_queue,
+                observer=self.metrics,
             )
             await tg.start(self._run_admission)
         except BaseException as exc:
@@ -143,17 +157,23 @@ class Scheduler:
             await stack.aclose()
 
     async def aclose(self) -> None:
-        """End every request as cancelled, stop the worker thread and join it. Leaving the
+        """Stop: queued requests end as cancelled; running ones too (`shutdown = "abort"`) or they
+        finish within `drain_timeout_s` (`"drain"`). Then the worker thread is joined. Leaving the
         `async with` block calls it; calling it earlier (from any task) is fine too."""
         if self._state != "running":
             return
         self._state = "closing"
         assert self._admission is not None and self._tg is not None
-        self._admission.send.send_nowait(Close())
+        s = self.config.scheduler
+        try:
+            self._admission.send.send_nowait(Close(s.drain_timeout_s if s.shutdown == "drain" else 0.0))
+        except anyio.BrokenResourceError:
+            pass  # the actor has already stopped (its failure surfaces from the task group)
         with anyio.CancelScope(shield=True):
             await self._done.wait()
-            # Every request has ended; the pool and the worker have nothing left to do.
-            self._tg.cancel_scope.cancel()
+            # Every request has ended; the pool and the worker have nothing left to do. Their
+            # own scopes, not the task group's: that one also holds the caller's `async with` body.
+            self._actors.cancel()
             await self._worker_done.wait()
         self._state = "closed"
         log.info("scheduler_closed")
@@ -165,9 +185,16 @@ class Scheduler:
         task_status: anyio.abc.TaskStatus[Loaded] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         try:
-            await worker.run(task_status=task_status)
+            with self._actors.new():
+                await worker.run(task_status=task_status)
         finally:
             self._worker_done.set()
+
+    async def _run_pool(
+        self, pool: Pool, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        with self._actors.new():
+            await pool.run(task_status=task_status)
 
     async def _run_admission(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -231,6 +258,12 @@ class Scheduler:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidRequest(
+                    f"prompt is not valid Unicode text: {exc.reason} at position {exc.start}"
+                ) from None
         elif isinstance(prompt, list):
             self._check_token_ids(prompt)
         else:
@@ -278,6 +311,10 @@ class Scheduler:
             blocks_free=s.blocks_free, finished=c.finished, rejected=c.rejected, steps=c.steps,
             generated_tokens=c.generated_tokens,
         )
+
+    def metrics_text(self) -> str:
+        """This scheduler's metrics in the Prometheus text format (`mlx_scheduler_*`)."""
+        return self.metrics.text()
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of `messages` under the model's chat template, ready for `generate`."""
@@ -352,6 +389,26 @@ class Scheduler:
                 admission.send.send_nowait(Cancel(rid))
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 pass  # the actor is gone and has ended every request already
+
+
+class _Scopes:
+    """A cancel scope per actor task, all cancelled together."""
+
+    def __init__(self) -> None:
+        self._scopes: list[anyio.CancelScope] = []
+        self._cancelled = False
+
+    def new(self) -> anyio.CancelScope:
+        scope = anyio.CancelScope()
+        if self._cancelled:
+            scope.cancel()
+        self._scopes.append(scope)
+        return scope
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        for scope in self._scopes:
+            scope.cancel()
 
 
 def _is_wrapping(group: BaseException, exc: BaseException) -> bool:

@@ -32,7 +32,10 @@ class Cancel(msgspec.Struct, frozen=True, tag=True):
 
 
 class Close(msgspec.Struct, frozen=True, tag=True):
-    """Stop admitting; end every request as cancelled; then the actor returns."""
+    """Stop admitting and end queued requests as cancelled. Running ones are cancelled too, or,
+    when `drain_s` > 0, may finish within that many seconds. Then the actor returns."""
+
+    drain_s: float = 0.0
 
 
 class SubmitEnvelope(NamedTuple):

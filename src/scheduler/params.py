@@ -16,6 +16,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -64,6 +72,8 @@ def _problem(p: SamplingParams) -> str | None:  # noqa: C901 - a flat list of ch
         return f"stop has {len(p.stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
     if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in p.stop):
         return f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters"
+    if any(not _is_unicode(s) for s in p.stop):
+        return "stop strings must be valid Unicode text"
     if not isinstance(p.stop_token_ids, tuple | list) or not all(
         _is_int(t) and t >= 0 for t in p.stop_token_ids
     ):

@@ -53,6 +53,7 @@ class StepOutput(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=Tru
     held: int
     t_start: float
     t_end: float
+    prefill_tokens: int = 0
 
 
 class WorkerReady(msgspec.Struct, frozen=True, tag=True):
@@ -60,10 +61,13 @@ class WorkerReady(msgspec.Struct, frozen=True, tag=True):
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True):
-    """The engine raised; every request it held is lost and must be ended with `error`."""
+    """The engine raised; the requests it held (`rids`) are lost and end with `error`. If
+    `restarted`, a fresh engine (`held` sequences) takes commands again; else the thread is gone."""
 
     message: str
     rids: list[int]
+    restarted: bool
+    held: int = 0
 
 
 WorkerEvent = StepOutput | WorkerReady | WorkerFailed

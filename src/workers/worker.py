@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import anyio
 import structlog
-from anyio.lowlevel import EventLoopToken, current_token
 
+from workers.bridge import LoopCaller, LoopClosed
 from workers.engine import Engine
 from workers.messages import (
     Abort,
@@ -50,14 +50,17 @@ class GPUWorker(Generic[InfoT]):
         factory: EngineFactory[InfoT],
         emit: Callable[[WorkerEvent], object],
         *,
+        restart: bool = True,
         join_timeout: float = 60.0,
     ) -> None:
+        self._restart = restart
         self._join_timeout = join_timeout
+        self._step = 0
         self._factory = factory
         self._emit = emit
         self._commands: queue.SimpleQueue[WorkerCommand] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._token: EventLoopToken | None = None
+        self._loop_caller: LoopCaller | None = None
         self._started = anyio.Event()
         self._start_result: tuple[InfoT | None, BaseException | None] = (None, None)
 
@@ -66,7 +69,7 @@ class GPUWorker(Generic[InfoT]):
         self._commands.put_nowait(command)
 
     async def run(self, *, task_status: TaskStatus[InfoT] = anyio.TASK_STATUS_IGNORED) -> None:
-        self._token = current_token()
+        self._loop_caller = LoopCaller()
         self._thread = threading.Thread(target=self._main, name="mlx-worker", daemon=True)
         self._thread.start()
         try:
@@ -90,11 +93,10 @@ class GPUWorker(Generic[InfoT]):
                 gc.collect()
 
     def _post(self, event: WorkerEvent) -> None:
-        token = self._token
-        assert token is not None
+        assert self._loop_caller is not None
         try:
-            token.backend_class.run_sync_soon(self._emit, (event,), token.native_token)
-        except Exception:  # the loop is gone: nobody is left to tell
+            self._loop_caller(self._emit, event)
+        except LoopClosed:  # the loop is gone: nobody is left to tell
             pass
 
     def _post_started(self, info: InfoT | None, error: BaseException | None) -> None:
@@ -102,9 +104,8 @@ class GPUWorker(Generic[InfoT]):
             self._start_result = (info, error)
             self._started.set()
 
-        token = self._token
-        assert token is not None
-        token.backend_class.run_sync_soon(done, (), token.native_token)
+        assert self._loop_caller is not None
+        self._loop_caller(done)
 
     def _main(self) -> None:
         try:
@@ -114,14 +115,32 @@ class GPUWorker(Generic[InfoT]):
             return
         self._post_started(info, None)
         try:
-            self._loop(engine)
-        except Exception as exc:  # a failed step: the actor ends every request it held
-            self._post(WorkerFailed(message=f"{type(exc).__name__}: {exc}", rids=[]))
+            while not self._serve(engine):
+                pass
         finally:
             engine.close()
 
+    def _serve(self, engine: Engine) -> bool:
+        """Step until Shutdown (True). A failed step ends the requests the engine held; then a
+        fresh engine carries on (False) or, without restart, the thread ends (True)."""
+        try:
+            self._loop(engine)
+            return True
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            lost = engine.rids()
+        if self._restart:
+            try:
+                engine.reset()
+            except Exception as exc:
+                message += f"; restarting the engine failed too: {type(exc).__name__}: {exc}"
+            else:
+                self._post(WorkerFailed(message, lost, restarted=True, held=engine.held()))
+                return False
+        self._post(WorkerFailed(message, lost, restarted=False))
+        return True
+
     def _loop(self, engine: Engine) -> None:
-        step = 0
         commands = self._commands
         while True:
             pending: list[WorkerCommand] = []
@@ -149,14 +168,17 @@ class GPUWorker(Generic[InfoT]):
                 return
             if engine.has_work():
                 t_start = time.perf_counter()
-                rids, tokens, finished, reasons = engine.step()
-                step += 1
+                rids, tokens, finished, reasons, prefilled = engine.step()
+                self._step += 1
                 t_end = time.perf_counter()
             elif aborted:
                 t_start = t_end = time.perf_counter()
-                rids, tokens, finished, reasons = [], [], [], []
+                rids, tokens, finished, reasons, prefilled = [], [], [], [], 0
             else:
                 continue
+            held = engine.held()
             self._post(
-                StepOutput(step, rids, tokens, finished, reasons, aborted, engine.held(), t_start, t_end)
+                StepOutput(
+                    self._step, rids, tokens, finished, reasons, aborted, held, t_start, t_end, prefilled
+                )
             )
