@@ -47,6 +47,7 @@ def mlx_engine_factory(
     max_batch: int,
     prefill_batch: int,
     prefill_step: int,
+    step_token_budget: int | str = "auto",
 ) -> Callable[[], tuple[Engine, Loaded]]:
     """A factory to call on the worker thread (MLX streams are thread-local)."""
 
@@ -59,6 +60,7 @@ def mlx_engine_factory(
             max_batch=max_batch,
             prefill_batch=prefill_batch,
             prefill_step=prefill_step,
+            step_token_budget=step_token_budget,
         )
         return engine, Loaded(info, TokenizerCodec(tokenizer), device_memory())
 

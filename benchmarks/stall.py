@@ -1,0 +1,164 @@
+"""Stall-free admission: inter-token latency with the per-step prefill budget off and on.
+
+Closed loop: `--concurrency` streams (prompt `--prompt-tokens`, output `--max-tokens`), each
+starting a new request as soon as one ends, so new prompts are admitted all the time; plus an
+open-loop run at `--load` x the measured closed-loop throughput. One run, side by side; a table,
+JSON and a PNG of ITL over time.
+
+    python benchmarks/stall.py [--model synthetic:small] [--concurrency 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import anyio
+
+from metrics import configure_logging, summarize
+from scheduler import SamplingParams, Scheduler, SchedulerConfig
+
+
+class Trace:
+    def __init__(self) -> None:
+        self.itl: list[tuple[float, float]] = []  # (time since start, gap)
+        self.ttft: list[float] = []
+        self.tokens = 0
+
+
+async def one_request(sched: Scheduler, prompt: list[int], params: SamplingParams, trace: Trace,
+                      start: float) -> None:
+    t0 = last = time.perf_counter()
+    first = True
+    async for chunk in sched.generate(prompt, params):
+        if not chunk.token_ids:
+            continue
+        now = time.perf_counter()
+        if first:
+            trace.ttft.append(now - t0)
+            first = False
+        else:
+            trace.itl.append((now - start, now - last))
+        last = now
+        trace.tokens += len(chunk.token_ids)
+
+
+async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float | None) -> dict[str, object]:
+    rng = random.Random(args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(3, 2000) for _ in range(args.prompt_tokens)]
+
+    trace = Trace()
+    async with Scheduler(config) as sched:
+        await sched.complete(prompt(), SamplingParams(max_tokens=4))  # warm up
+        start = time.perf_counter()
+        end_at = start + args.seconds
+        async with anyio.create_task_group() as tg:
+            if rate is None:
+                async def stream() -> None:
+                    while time.perf_counter() < end_at:
+                        await one_request(sched, prompt(), params, trace, start)
+
+                for _ in range(args.concurrency):
+                    tg.start_soon(stream)
+            else:
+                while time.perf_counter() < end_at:
+                    tg.start_soon(one_request, sched, prompt(), params, trace, start)
+                    await anyio.sleep(rng.expovariate(rate))
+        wall = time.perf_counter() - start
+    itl = summarize([g for _, g in trace.itl])
+    ttft = summarize(trace.ttft)
+    return {
+        "tok_s": trace.tokens / wall,
+        "itl_p50_ms": itl.p50 * 1e3, "itl_p99_ms": itl.p99 * 1e3, "itl_max_ms": itl.max * 1e3,
+        "ttft_p50_ms": ttft.p50 * 1e3, "ttft_p99_ms": ttft.p99 * 1e3,
+        "requests": len(trace.ttft), "itl_trace": trace.itl,
+    }
+
+
+def make_config(args: argparse.Namespace, budget: str) -> SchedulerConfig:
+    return SchedulerConfig.from_toml(
+        f'[model]\npath = "{args.model}"\n[worker]\nmax_batch = {args.concurrency}\n'
+        f"prefill_batch = {args.prefill_batch}\nprefill_step = {args.prefill_step}\n"
+        f"step_token_budget = {budget}\n"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="synthetic:small")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prefill-batch", type=int, default=8)
+    ap.add_argument("--prefill-step", type=int, default=512)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--load", type=float, default=0.8, help="open-loop rate as a share of capacity")
+    ap.add_argument("--budget", default='"auto"', help='the "on" setting: "auto" or tokens')
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results/stall.json")
+    args = ap.parse_args()
+    configure_logging(level="warning")
+
+    results: dict[str, dict[str, object]] = {}
+    for name, budget in (("closed/off", "0"), ("closed/on", args.budget)):
+        results[name] = anyio.run(lambda b=budget: run(make_config(args, b), args, rate=None))
+        print(f"  {name}: {results[name]['tok_s']:.0f} tok/s", flush=True)
+    capacity = float(results["closed/off"]["tok_s"]) / args.max_tokens  # requests per second
+    rate = args.load * capacity
+    for name, budget in (("open/off", "0"), ("open/on", args.budget)):
+        results[name] = anyio.run(lambda b=budget: run(make_config(args, b), args, rate=rate))
+        print(f"  {name}: {results[name]['tok_s']:.0f} tok/s", flush=True)
+
+    print(f"\n{args.model}, {args.concurrency} streams, prompt {args.prompt_tokens}, output "
+          f"{args.max_tokens}; open loop at {rate:.2f} req/s ({args.load:.0%} of capacity)")
+    header = f"{'run':<12} {'tok/s':>7} {'ITL p50':>8} {'ITL p99':>8} {'ITL max':>8} {'p99/p50':>8} {'TTFT p50':>9} {'TTFT p99':>9}"
+    print(header)
+    for name, r in results.items():
+        print(f"{name:<12} {r['tok_s']:>7.0f} {r['itl_p50_ms']:>8.1f} {r['itl_p99_ms']:>8.1f} "
+              f"{r['itl_max_ms']:>8.1f} {float(r['itl_p99_ms']) / float(r['itl_p50_ms']):>8.2f} "
+              f"{r['ttft_p50_ms']:>9.0f} {r['ttft_p99_ms']:>9.0f}")
+    off, on = results["closed/off"], results["closed/on"]
+    ratios = {
+        "itl_p99_over_p50_on": float(on["itl_p99_ms"]) / float(on["itl_p50_ms"]),
+        "itl_p99_over_p50_off": float(off["itl_p99_ms"]) / float(off["itl_p50_ms"]),
+        "throughput_on_over_off": float(on["tok_s"]) / float(off["tok_s"]),
+        "ttft_p99_on_over_off": float(on["ttft_p99_ms"]) / float(off["ttft_p99_ms"]),
+    }
+    print("ratios (closed loop):", {k: round(v, 3) for k, v in ratios.items()})
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    traces = {k: v.pop("itl_trace") for k, v in results.items()}
+    out.write_text(json.dumps({"args": vars(args), "results": results, "ratios": ratios,
+                               "date": time.strftime("%Y-%m-%d")}, indent=2))
+    print(f"wrote {out}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no PNG)")
+        return
+    fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for ax, loop in zip(axes, ("closed", "open"), strict=True):
+        for setting in ("off", "on"):
+            pts = traces[f"{loop}/{setting}"]
+            ax.scatter([t for t, _ in pts], [g * 1e3 for _, g in pts], s=2, alpha=0.4,
+                       label=f"budget {setting}")
+        ax.set_ylabel(f"ITL ms ({loop} loop)")
+        ax.set_yscale("log")
+        ax.legend(markerscale=5)
+    axes[-1].set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=90)
+    print(f"wrote {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

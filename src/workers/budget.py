@@ -1,0 +1,76 @@
+"""Stall-free prefill: a per-step token budget for prompt processing (Sarathi-Serve's idea).
+
+One `BatchGenerator.next()` runs a decode step for the whole batch and then one prefill chunk for
+the prompts being prefilled; that chunk blocks every running stream. The budget bounds it: at most
+`tokens()` prompt tokens (padding included) per step while anything decodes. Pure arithmetic, no
+MLX: the engine tells it what it inserts and applies its plan before each step.
+"""
+
+from __future__ import annotations
+
+AUTO_INITIAL_TOKENS = 256
+"""The auto budget before any prompt was seen."""
+EMA = 0.2
+DEMAND_HEADROOM = 1.25
+FILL_STEPS = 16
+"""Free batch slots with prompts waiting for them are filled within about this many steps."""
+MIN_CHUNK = 32
+"""Prompts are not cut into pieces smaller than this to fit more of them into one step: small
+pieces make prefill less efficient."""
+
+
+class PrefillBudget:
+    """`limit`: a fixed number of tokens, 0 (off: the generator's own `prefill_step` chunks), or
+    "auto": just what keeps the batch fed, spread evenly over steps. A full batch of `max_batch`
+    sequences of about `output_tokens` each frees a slot every `output_tokens / max_batch` steps;
+    replacing it takes `prompt_tokens` of prefill (with headroom). Free slots with prompts waiting
+    are filled within `FILL_STEPS` steps. Measured step times are not used: with MLX's pipelined
+    decoding, one step's wall time says little about its own work (notably on GPUs)."""
+
+    def __init__(
+        self, limit: int | str, *, max_chunk: int, max_prompts: int, max_batch: int = 64
+    ) -> None:
+        if limit != "auto" and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+            raise ValueError(f"step_token_budget must be 'auto' or an integer >= 0, got {limit!r}")
+        self._limit = limit
+        self._max_chunk = max_chunk
+        self._max_prompts = max_prompts
+        self._max_batch = max_batch
+        self.prompt_tokens: float | None = None
+        """Smoothed length of inserted prompts."""
+        self.output_tokens: float | None = None
+        """Smoothed max_tokens of inserted requests."""
+
+    def inserted(self, prompt_tokens: int, max_tokens: int) -> None:
+        self.prompt_tokens = _ema(self.prompt_tokens, float(prompt_tokens))
+        self.output_tokens = _ema(self.output_tokens, float(max_tokens))
+
+    def tokens(self, *, room: int = 0, waiting: int = 0) -> int | None:
+        """Prompt tokens allowed per step while sequences decode; None: unbounded. `room`: free
+        decode slots; `waiting`: prompts that could fill them."""
+        if self._limit == 0:
+            return None
+        if isinstance(self._limit, int):
+            return self._limit
+        if self.prompt_tokens is None or self.output_tokens is None:
+            return AUTO_INITIAL_TOKENS
+        demand = DEMAND_HEADROOM * self.prompt_tokens * self._max_batch / self.output_tokens
+        backlog = min(room, waiting) * self.prompt_tokens / FILL_STEPS
+        return max(MIN_CHUNK, int(demand + backlog))
+
+    def plan(self, *, decoding: int, in_prefill: int, waiting: int, room: int) -> tuple[int, int]:
+        """(chunk tokens per prompt, cap on prompts prefilling at once) for the next step.
+
+        `decoding`: sequences in the decode batch; `in_prefill`: prompts already part-way through
+        prefill; `waiting`: inserted prompts not started; `room`: free decode slots."""
+        budget = self.tokens(room=max(0, room - in_prefill), waiting=waiting)
+        if budget is None or decoding == 0:  # nobody to stall: prefill at full speed
+            return self._max_chunk, self._max_prompts
+        cap = max(1, min(self._max_prompts, budget // MIN_CHUNK))
+        joining = max(0, min(cap - in_prefill, room, waiting))
+        prefilling = max(1, in_prefill + joining)
+        return max(1, min(self._max_chunk, budget // prefilling)), cap
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EMA) * old + EMA * new

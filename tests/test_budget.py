@@ -1,0 +1,106 @@
+"""Stall-free prefill: the per-step token budget, pure and through the actors."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import anyio
+import pytest
+
+from scheduler import SamplingParams, Scheduler, SchedulerConfig
+from tests.fakes import FakeEngine, fake_factory, fake_token
+from tests.test_integration import prompts
+from workers.budget import AUTO_INITIAL_TOKENS, PrefillBudget
+from workers.messages import Admit, SamplingSpec
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+
+def test_off_or_nothing_decoding_means_full_chunks() -> None:
+    off = PrefillBudget(0, max_chunk=512, max_prompts=8)
+    assert off.tokens() is None
+    assert off.plan(decoding=40, in_prefill=3, waiting=9, room=10) == (512, 8)
+    fixed = PrefillBudget(128, max_chunk=512, max_prompts=8)
+    assert fixed.plan(decoding=0, in_prefill=0, waiting=9, room=64) == (512, 8)
+
+
+def test_fixed_budget_splits_among_prompts_and_caps_how_many() -> None:
+    b = PrefillBudget(128, max_chunk=512, max_prompts=8)
+    assert b.plan(decoding=10, in_prefill=0, waiting=1, room=50) == (128, 4)  # 128 // 32 prompts
+    assert b.plan(decoding=10, in_prefill=2, waiting=9, room=50) == (32, 4)
+    assert b.plan(decoding=10, in_prefill=6, waiting=0, room=50) == (21, 4)  # joined when larger
+    small = PrefillBudget(40, max_chunk=512, max_prompts=8)
+    assert small.plan(decoding=10, in_prefill=0, waiting=9, room=50) == (40, 1)
+
+
+def test_auto_budget_keeps_a_full_batch_fed_and_fills_free_slots() -> None:
+    b = PrefillBudget("auto", max_chunk=512, max_prompts=8, max_batch=64)
+    assert b.tokens() == AUTO_INITIAL_TOKENS
+    b.inserted(prompt_tokens=400, max_tokens=64)  # each of 64 slots frees a slot every 64 steps
+    assert b.tokens() == 500  # 1.25 x 400 prompt tokens a step keeps up
+    assert b.tokens(room=4, waiting=10) == 500 + 4 * 400 // 16  # and free slots fill in ~16 steps
+    assert b.tokens(room=4, waiting=0) == 500
+    for _ in range(30):
+        b.inserted(prompt_tokens=100, max_tokens=200)
+    assert 36 <= b.tokens() <= 44  # follows the workload: 1.25 x 100 x 64 / 200 = 40
+
+
+@pytest.mark.parametrize("limit", [0, -1, "fast", 1.5])
+def test_bad_limits_are_rejected_except_zero(limit: object) -> None:
+    if limit == 0:
+        assert PrefillBudget(0, max_chunk=8, max_prompts=1).tokens() is None
+        return
+    with pytest.raises(ValueError, match="step_token_budget"):
+        PrefillBudget(limit, max_chunk=8, max_prompts=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_no_step_prefills_more_than_the_budget_while_others_decode() -> None:
+    budget = PrefillBudget(64, max_chunk=512, max_prompts=8)
+    engine = FakeEngine(budget=budget, max_batch=16, step_delay=0.001)
+    cfg = SchedulerConfig.from_toml("[worker]\nmax_batch = 16")
+    ps = [[(i * 7 + j) % 60 + 1 for j in range(10 + 23 * (i % 9))] for i in range(40)]
+    with anyio.fail_after(60):
+        async with Scheduler(cfg, engine_factory=fake_factory(engine)) as s:
+            results = {}
+
+            async def one(i: int) -> None:
+                results[i] = await s.complete(ps[i], SamplingParams(max_tokens=12))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(40):
+                    tg.start_soon(one, i)
+                    await anyio.sleep(0.003)  # a steady stream of arrivals
+    busy = [work for decoding, work in engine.prefill_log if decoding > 0]
+    assert busy and max(busy) <= 64
+    assert sum(1 for d, w in engine.prefill_log if d > 0 and w > 0) > 10  # prefill did overlap decode
+    for i, done in results.items():
+        admit = Admit(i, ps[i], 12, SamplingSpec(), ())
+        assert done.token_ids == [fake_token(admit, k) for k in range(12)]
+
+
+@pytest.mark.anyio
+@pytest.mark.integration
+async def test_budget_keeps_greedy_output_identical_on_the_real_engine(model_cache: Path) -> None:
+    ps = prompts(24, seed=31, vocab=900)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outputs: dict[str, list[list[int]]] = {}
+    for budget in ("0", "24", '"auto"'):
+        cfg = SchedulerConfig.from_toml(
+            f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"\n'
+            f"[worker]\nmax_batch = 8\nprefill_step = 64\nstep_token_budget = {budget}"
+        )
+        with anyio.fail_after(120):
+            async with Scheduler(cfg) as s:
+                got: dict[int, list[int]] = {}
+
+                async def one(i: int) -> None:
+                    got[i] = (await s.complete(ps[i], params)).token_ids  # noqa: B023
+
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(ps)):
+                        tg.start_soon(one, i)
+                        await anyio.sleep(0.002)
+        outputs[budget] = [got[i] for i in range(len(ps))]
+    assert outputs["0"] == outputs["24"] == outputs['"auto"']
