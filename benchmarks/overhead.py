@@ -18,7 +18,7 @@ from pathlib import Path
 
 import anyio
 
-from metrics import percentile
+from metrics import configure_logging, percentile
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 
 
@@ -95,8 +95,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--waves", type=int, default=3, help="requests per level = waves x concurrency")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget", default="0",
+                    help='[worker] step_token_budget for our side: 0 (as the bare loop), "auto" or tokens')
     ap.add_argument("--out", default="benchmarks/results/overhead.json")
     args = ap.parse_args()
+    configure_logging(level="warning")
 
     import mlx.core as mx
 
@@ -104,11 +107,13 @@ def main() -> None:
 
     model, tokenizer = load_model(args.model)
     info = model_info(model, tokenizer, args.model)
+    budget = args.budget if args.budget.isdigit() else f'"{args.budget}"'
     rows = []
     for n in args.concurrency:
         prompts = make_prompts(max(n * args.waves, 8), args.prompt_tokens, info.vocab_size, args.seed + n)
         config = SchedulerConfig.from_toml(
             f'[model]\npath = "{args.model}"\n[worker]\nmax_batch = {n}\n'
+            f"step_token_budget = {budget}\n"
             f'[kvpool]\nmemory = "8GiB"\n'
         )
         w = config.worker
@@ -136,7 +141,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "model": args.model, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "model": args.model, "step_token_budget": args.budget, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
         "device": str(mx.default_device()), "mlx": mx.__version__, "python": sys.version.split()[0],
         "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
     }
