@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import time
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import structlog
@@ -24,10 +23,10 @@ from scheduler.errors import (
     SchedulerError,
 )
 from scheduler.messages import Cancel, Close, Submit, SubmitEnvelope
-from scheduler.params import SamplingParams
 from scheduler.policy import make_policy
 from scheduler.stream import RequestStream
 from scheduler.types import Chunk, Completion, SchedulerStats
+from scheduler.validation import check_arguments, check_length
 from workers.factory import Loaded, mlx_engine_factory
 from workers.faults import FaultPlan, with_faults
 from workers.worker import EngineFactory, GPUWorker, WorkerStartError
@@ -37,13 +36,13 @@ if TYPE_CHECKING:
 
     from anyio.streams.memory import MemoryObjectReceiveStream
 
+    from scheduler.params import SamplingParams
     from workers.messages import WorkerEvent
 
 log = structlog.get_logger("scheduler")
 
 # Tokenizing a long prompt takes milliseconds; past this many characters it leaves the loop.
 _THREAD_TOKENIZE_CHARS = 2048
-_MAX_TENANT_CHARS = 256
 
 
 class Scheduler:
@@ -239,37 +238,7 @@ class Scheduler:
         Arguments are checked here (`InvalidRequest`); the prompt's length, the queue
         (`QueueFull`) and the scheduler's state (`SchedulerClosed`) when iteration starts."""
         self._check_running()
-        if params is None:
-            params = SamplingParams()
-        elif not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise InvalidRequest(f"priority must be an integer, got {type(priority).__name__}")
-        if not isinstance(tenant, str) or not tenant or len(tenant) > _MAX_TENANT_CHARS:
-            raise InvalidRequest(
-                f"tenant must be a non-empty string of at most {_MAX_TENANT_CHARS} characters, "
-                f"got {tenant!r}"[:200]
-            )
-        if timeout is not None and (
-            not isinstance(timeout, int | float) or isinstance(timeout, bool)
-            or not math.isfinite(timeout) or timeout <= 0
-        ):
-            raise InvalidRequest(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("prompt is empty")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise InvalidRequest(
-                    f"prompt is not valid Unicode text: {exc.reason} at position {exc.start}"
-                ) from None
-        elif isinstance(prompt, list):
-            self._check_token_ids(prompt)
-        else:
-            raise InvalidRequest(
-                f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
-            )
+        params = check_arguments(prompt, params, priority, tenant, timeout, self.model.info.vocab_size)
         return RequestStream(self._submit, self._cancel, prompt, params, priority, tenant, timeout)
 
     async def complete(
@@ -332,16 +301,6 @@ class Scheduler:
         if self._state != "running":
             raise SchedulerClosed(f"the scheduler is {self._state}; requests need a running one")
 
-    def _check_token_ids(self, ids: list[Any]) -> None:
-        if not ids:
-            raise InvalidRequest("prompt is empty")
-        vocab = self.model.info.vocab_size
-        for i, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise InvalidRequest(
-                    f"prompt[{i}] = {t!r} is not a token id in [0, {vocab})"[:200]
-                )
-
     async def _submit(
         self, prompt: str | list[int], params: SamplingParams, priority: int, tenant: str,
         timeout: float | None,
@@ -358,16 +317,7 @@ class Scheduler:
                 raise InvalidRequest("prompt encodes to no tokens")
         else:
             tokens = list(prompt)
-        context = self.model.info.context_length or 2**62  # 0: the model's config does not say
-        if len(tokens) > context:
-            raise InvalidRequest(
-                f"prompt has {len(tokens)} tokens, longer than the model's context of {context}"
-            )
-        if len(tokens) + params.max_tokens > context:
-            raise InvalidRequest(
-                f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"model's context of {context}; lower max_tokens"
-            )
+        check_length(len(tokens), params.max_tokens, self.model.info.context_length)
         self._check_running()
         assert self._admission is not None
         out_send, out_recv = anyio.create_memory_object_stream[Chunk](params.max_tokens + 2)
