@@ -311,3 +311,13 @@ async def test_aclose_inside_the_block_does_not_cancel_the_caller() -> None:
                 tg.start_soon(anyio.sleep, 0.01)
             with pytest.raises(SchedulerClosed):
                 await s.complete([1], SamplingParams(max_tokens=2))
+
+
+async def test_when_the_caller_sees_the_end_the_blocks_are_back() -> None:
+    with anyio.fail_after(10):
+        async with Scheduler(engine_factory=fake_factory(FakeEngine(step_delay=0.002))) as s:
+            for n in (1, 3, 7):
+                done = await s.complete([n, 2], SamplingParams(max_tokens=n))
+                st = s.stats()
+                assert done.finish_reason == "length"
+                assert (st.running, st.blocks_used) == (0, 0)

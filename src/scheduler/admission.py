@@ -301,19 +301,23 @@ class Admission:
             live = live_map.get(rid)
             if live is None:
                 continue
-            if not live.ended:
-                self._end(live, "length" if reason == "length" else "stop", live.text.finish(), [])
-            await self._dropped_by_worker(rid)
+            ending: FinishReason = "length" if reason == "length" else "stop"
+            await self._dropped_by_worker(rid, ending=ending)
 
-    async def _dropped_by_worker(self, rid: int, *, error: str | None = None) -> None:
-        """The worker no longer holds `rid`: free its slot and blocks."""
+    async def _dropped_by_worker(
+        self, rid: int, *, ending: FinishReason | None = None, error: str | None = None
+    ) -> None:
+        """The worker no longer holds `rid`: free its slot and blocks, then (if it has not ended
+        yet) send its final chunk, so a caller who sees the end also sees the blocks back."""
         live = self._live.get(rid)
         if live is None or not live.running:
             return
         live.running = False
         self._running -= 1
         await self._pool.call(Release(rid))
-        if not live.ended:  # lost in a failed step (or dropped unasked, which must not happen)
+        if not live.ended and ending is not None:
+            self._end(live, ending, live.text.finish(), [])
+        elif not live.ended:  # lost in a failed step (or dropped unasked, which must not happen)
             self._end(live, "error", "", [], error=error or "the worker dropped the request")
         self._live.pop(rid, None)
         self._policy.on_finished(live.item, anyio.current_time())
