@@ -10,7 +10,6 @@ import heapq
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
@@ -20,14 +19,15 @@ from kvpool.books import blocks_for
 from kvpool.messages import Denied, Release, Reserve
 from scheduler.dispatcher import Codec, TextStream
 from scheduler.errors import InvalidRequest, QueueFull, SchedulerClosed, SchedulerError
-from scheduler.messages import Cancel, Close, Submit, SubmitEnvelope
+from scheduler.live import Counters, Live
+from scheduler.messages import Cancel, Close, SubmitEnvelope
 from scheduler.policy import Policy, QueueItem
 from scheduler.types import Chunk, FinishReason, Timings
 from workers.messages import Abort, Admit, SamplingSpec, StepOutput, WorkerEvent, WorkerFailed
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
-    from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+    from anyio.streams.memory import MemoryObjectReceiveStream
 
     from kvpool.pool import Pool
 from metrics.observer import NullObserver, Observer
@@ -36,34 +36,6 @@ log = structlog.get_logger("scheduler")
 
 Inbox = SubmitEnvelope | Cancel | Close | WorkerEvent
 WorkerSend = Callable[[Admit | Abort], None]
-
-
-@dataclass(eq=False)
-class Live:
-    """One request from submission to its final chunk (and, if running, the worker's release)."""
-
-    item: QueueItem
-    submit: Submit
-    out: MemoryObjectSendStream[Chunk]
-    text: TextStream
-    admitted_at: float | None = None
-    first_token_at: float | None = None
-    last_token_at: float = 0.0
-    completion_tokens: int = 0
-    running: bool = False
-    ended: bool = False
-    """The final chunk has been sent; a running request still waits for the worker to drop it."""
-    blocks: int = 0
-    pending: list[int] = field(default_factory=list)
-
-
-@dataclass
-class Counters:
-    finished: int = 0
-    rejected: int = 0
-    steps: int = 0
-    generated_tokens: int = 0
-    engine_batch: int = 0
 
 
 class Admission:

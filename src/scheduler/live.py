@@ -1,0 +1,42 @@
+"""The admission actor's record of one request and its counters (state it alone owns)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from anyio.streams.memory import MemoryObjectSendStream
+
+    from scheduler.dispatcher import TextStream
+    from scheduler.messages import Submit
+    from scheduler.policy import QueueItem
+    from scheduler.types import Chunk
+
+
+@dataclass(eq=False)
+class Live:
+    """One request from submission to its final chunk (and, if running, the worker's release)."""
+
+    item: QueueItem
+    submit: Submit
+    out: MemoryObjectSendStream[Chunk]
+    text: TextStream
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    completion_tokens: int = 0
+    running: bool = False
+    ended: bool = False
+    """The final chunk has been sent; a running request still waits for the worker to drop it."""
+    blocks: int = 0
+    pending: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Counters:
+    finished: int = 0
+    rejected: int = 0
+    steps: int = 0
+    generated_tokens: int = 0
+    engine_batch: int = 0
