@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING
@@ -370,8 +371,6 @@ def _is_wrapping(group: BaseException, exc: BaseException) -> bool:
 
 
 def _system_memory() -> int:
-    import os
-
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

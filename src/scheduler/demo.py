@@ -12,6 +12,7 @@ import msgspec
 
 from metrics import summarize
 from scheduler.api import Scheduler
+from scheduler.bench.targets import Record
 from scheduler.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -21,14 +22,6 @@ WORDS = (
     "the scheduler batches many requests on one model while each stream keeps its own pace "
     "tokens arrive in order memory is kept in blocks and every request ends exactly once"
 ).split()
-
-
-class RequestRecord(msgspec.Struct):
-    ttft_s: float | None = None
-    itl_s: list[float] = msgspec.field(default_factory=list)
-    e2e_s: float = 0.0
-    tokens: int = 0
-    finish_reason: str = ""
 
 
 class DemoResult(msgspec.Struct):
@@ -59,7 +52,7 @@ async def run_demo(
     out: TextIO = sys.stdout,
 ) -> DemoResult:
     prompts = make_prompts(requests, prompt_words, seed)
-    records = [RequestRecord() for _ in prompts]
+    records = [Record(prompt_tokens=0, max_tokens=max_tokens) for _ in prompts]
     out.write(f"loading {config.model.path} ...\n")
     async with Scheduler(config) as sched:
         out.write(f"sending {requests} concurrent requests (max_tokens={max_tokens})\n")
@@ -70,17 +63,11 @@ async def run_demo(
             last = t0
             params = SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=seed + i, ignore_eos=True)
             async for chunk in sched.generate(prompts[i], params):
-                now = time.perf_counter()
                 if chunk.token_ids:
-                    if rec.ttft_s is None:
-                        rec.ttft_s = now - t0
-                    else:
-                        rec.itl_s.append(now - last)
-                    last = now
-                    rec.tokens += len(chunk.token_ids)
+                    last = rec.arrived(len(chunk.token_ids), t0, last)
                 if chunk.finish_reason is not None:
                     rec.finish_reason = chunk.finish_reason
-            rec.e2e_s = time.perf_counter() - t0
+            rec.e2e = time.perf_counter() - t0
 
         async def progress() -> None:
             tty = out.isatty()
@@ -105,16 +92,16 @@ async def run_demo(
             tg.cancel_scope.cancel()
         wall = time.perf_counter() - start
         out.write("\n")
-    ttft = summarize([r.ttft_s for r in records if r.ttft_s is not None])
-    itl = summarize([x for r in records for x in r.itl_s])
+    ttft = summarize([r.ttft for r in records if r.ttft is not None])
+    itl = summarize([x for r in records for x in r.itl])
     reasons: dict[str, int] = {}
     for r in records:
         reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
-    tokens = sum(r.tokens for r in records)
+    tokens = sum(r.output_tokens for r in records)
     return DemoResult(
         requests=requests, output_tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
         ttft_p50_ms=ttft.p50 * 1e3, ttft_p99_ms=ttft.p99 * 1e3, itl_p50_ms=itl.p50 * 1e3,
-        itl_p99_ms=itl.p99 * 1e3, e2e_p50_s=summarize([r.e2e_s for r in records]).p50,
+        itl_p99_ms=itl.p99 * 1e3, e2e_p50_s=summarize([r.e2e for r in records]).p50,
         finish_reasons=reasons,
     )
 

@@ -48,6 +48,17 @@ class Record(msgspec.Struct):
     e2e: float = 0.0
     retries: int = 0
 
+    def arrived(self, tokens: int, t0: float, last: float) -> float:
+        """`tokens` output tokens arrived now: the first sets `ttft` (from `t0`), later ones add
+        the gap since `last` to `itl`. Returns now, the caller's new `last`."""
+        now = time.perf_counter()
+        if self.ttft is None:
+            self.ttft = now - t0
+        else:
+            self.itl.append(now - last)
+        self.output_tokens += tokens
+        return now
+
 
 class Target(Protocol):
     """Sends one request and records what came back; never raises for a failed request."""
@@ -76,14 +87,8 @@ class SchedulerTarget:
         t0 = last = time.perf_counter()
         try:
             async for chunk in self._sched.generate(spec.prompt, params, timeout=self._timeout):
-                now = time.perf_counter()
                 if chunk.token_ids:
-                    if rec.ttft is None:
-                        rec.ttft = now - t0
-                    else:
-                        rec.itl.append(now - last)
-                    last = now
-                    rec.output_tokens += len(chunk.token_ids)
+                    last = rec.arrived(len(chunk.token_ids), t0, last)
                 if chunk.finish_reason is not None:
                     rec.finish_reason = chunk.finish_reason
                     rec.prompt_tokens = chunk.prompt_tokens
@@ -177,14 +182,8 @@ class OpenAITarget:
                 event = json.loads(data)
                 usage = event.get("usage") or usage
                 for choice in event.get("choices") or ():
-                    now = time.perf_counter()
                     if choice.get("text"):
-                        if rec.ttft is None:
-                            rec.ttft = now - t0
-                        else:
-                            rec.itl.append(now - last)
-                        last = now
-                        rec.output_tokens += 1  # an estimate until the usage arrives
+                        last = rec.arrived(1, t0, last)  # a token count estimate until the usage
                     if choice.get("finish_reason"):
                         rec.finish_reason = str(choice["finish_reason"])
         if usage is not None:
