@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from workers.budget import PrefillBudget
-    from workers.messages import Admit
+    from workers.messages import Admit, Key
 
 VOCAB = 64
 EOS = 63
@@ -80,6 +80,7 @@ class FakeEngine:
     """When set, prompts are prefilled in chunks the budget plans, before they decode."""
     max_batch: int = 64
     prefill_log: list[tuple[int, int]] = field(default_factory=list)
+    evicted: list[Key] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -93,6 +94,9 @@ class FakeEngine:
     def remove(self, rids: Sequence[int]) -> None:
         for rid in rids:
             self.seqs.pop(rid, None)
+
+    def evict(self, keys: Sequence[Key]) -> None:
+        self.evicted.extend(keys)
 
     def step(self) -> StepResult:
         self.gate.wait()

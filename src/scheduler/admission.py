@@ -13,17 +13,28 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import anyio
+import msgspec
 import structlog
 
-from kvpool.books import blocks_for
-from kvpool.messages import Denied, Release, Reserve
+from kvpool.books import PADDING
+from kvpool.messages import Cache, Cached, Denied, Drop, Granted, Release, Reserve, Resize, Unpin
 from scheduler.dispatcher import Codec, TextStream
 from scheduler.errors import InvalidRequest, QueueFull, SchedulerClosed, SchedulerError
+from scheduler.kvplan import KVPlan, prompt_keys
 from scheduler.live import Counters, Live
-from scheduler.messages import Cancel, Close, SubmitEnvelope
+from scheduler.messages import Cancel, Close, DropSession, SubmitEnvelope
 from scheduler.policy import Policy, QueueItem
 from scheduler.types import Chunk, FinishReason, Timings
-from workers.messages import Abort, Admit, SamplingSpec, StepOutput, WorkerEvent, WorkerFailed
+from workers.messages import (
+    Abort,
+    Admit,
+    Evict,
+    Key,
+    SamplingSpec,
+    StepOutput,
+    WorkerEvent,
+    WorkerFailed,
+)
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
@@ -34,14 +45,14 @@ from metrics.observer import NullObserver, Observer
 
 log = structlog.get_logger("scheduler")
 
-Inbox = SubmitEnvelope | Cancel | Close | WorkerEvent
-WorkerSend = Callable[[Admit | Abort], None]
+Inbox = SubmitEnvelope | Cancel | Close | DropSession | WorkerEvent
+WorkerSend = Callable[[Admit | Abort | Evict], None]
 
 
 class Admission:
     """Owns: the policy queue, live requests, deadlines. Receives: Submit, Cancel, Close, and the
-    worker's StepOutput/WorkerFailed. Emits: Admit/Abort to the worker, Reserve/Release to the
-    pool, Chunks to each request's stream."""
+    worker's StepOutput/WorkerFailed. Emits: Admit/Abort/Evict to the worker, Reserve/Resize/
+    Release/Unpin/Cache/Drop to the pool, Chunks to each request's stream."""
 
     def __init__(
         self,
@@ -51,8 +62,8 @@ class Admission:
         send_to_worker: WorkerSend,
         codec: Codec,
         eos_token_ids: tuple[int, ...],
-        block_tokens: int,
-        blocks_total: int,
+        plan: KVPlan,
+        prefix_cache: bool,
         max_batch: int,
         max_queue: int,
         observer: Observer | None = None,
@@ -63,8 +74,8 @@ class Admission:
         self._to_worker = send_to_worker
         self._codec = codec
         self._eos = eos_token_ids
-        self._block_tokens = block_tokens
-        self._blocks_total = blocks_total
+        self._plan = plan
+        self._prefix_cache = prefix_cache
         self._max_batch = max_batch
         self._max_queue = max_queue
         # Unbounded on purpose: every Submit is answered at once (so at most one per caller waits
@@ -74,7 +85,13 @@ class Admission:
         self._live: dict[int, Live] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._next_rid = 0
-        self._running = 0
+        self._rows: dict[int, Live] = {}
+        """Requests the worker holds (admitted, not yet confirmed dropped)."""
+        self._held = 0
+        """Blocks the rows hold (the padding is separate)."""
+        self._padding = 0
+        self._freeing = 0
+        """Blocks that preempted rows will return once the worker confirms."""
         self._closed: str | None = None
         self._drain_until: float | None = None
         self.counters = Counters()
@@ -82,7 +99,7 @@ class Admission:
     # ---- views ---------------------------------------------------------------------------
     @property
     def running(self) -> int:
-        return self._running
+        return len(self._rows)
 
     @property
     def waiting(self) -> int:
@@ -123,7 +140,7 @@ class Admission:
                 await self._expire()
                 await self._admit()
                 if self._drain_until is not None and (
-                    self._running == 0 or anyio.current_time() >= self._drain_until
+                    not self._rows or anyio.current_time() >= self._drain_until
                 ):
                     await self._close("cancelled", None)
                     return
@@ -134,6 +151,13 @@ class Admission:
                 self._submit(msg)
             case Cancel(rid):
                 await self._cancel(rid, "cancelled")
+            case DropSession(session, reply):
+                dropped = await self._pool.call(Drop(session))
+                assert isinstance(dropped, Cached)
+                if dropped.ok:
+                    self._to_worker(Evict([session]))
+                with reply:
+                    reply.send_nowait(dropped.ok)
             case StepOutput():
                 await self._on_step(msg)
             case WorkerFailed(message, lost, restarted, held):
@@ -163,14 +187,15 @@ class Admission:
     def _submit(self, env: SubmitEnvelope) -> None:
         msg = env.msg
         error: SchedulerError | None = None
-        need = blocks_for(len(msg.prompt) + msg.params.max_tokens, self._block_tokens)
+        plan = self._plan
+        need = plan.alone(len(msg.prompt) + msg.params.max_tokens)
         if self._closed is not None:
             error = SchedulerClosed(self._closed)
-        elif need > self._blocks_total:
+        elif need > plan.blocks_total:
             error = InvalidRequest(
                 f"prompt ({len(msg.prompt)} tokens) + max_tokens ({msg.params.max_tokens}) needs "
-                f"{need} KV blocks of {self._block_tokens} tokens, but the pool has only "
-                f"{self._blocks_total}; lower max_tokens or raise [kvpool] memory"
+                f"{need} KV blocks of {plan.block_tokens} tokens, but the pool has only "
+                f"{plan.blocks_total}; lower max_tokens or raise [kvpool] memory"
             )
         elif len(self._policy) >= self._max_queue:
             error = QueueFull(f"the waiting queue is full ({self._max_queue} requests)")
@@ -191,7 +216,9 @@ class Admission:
             max_tokens=msg.params.max_tokens, priority=msg.priority, tenant=msg.tenant,
             deadline=deadline,
         )
-        self._live[rid] = Live(item, msg, env.out, TextStream(self._codec, msg.params.stop))
+        self._live[rid] = Live(
+            item, msg, env.out, TextStream(self._codec, msg.params.stop), prompt=msg.prompt
+        )
         self._policy.push(item, now)
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, rid))
@@ -203,42 +230,87 @@ class Admission:
     async def _admit(self) -> None:
         await self._expire()  # a request past its deadline is never admitted
         policy = self._policy
-        while self._running < self._max_batch and self._closed is None:
+        while len(self._rows) < self._max_batch and self._closed is None:
             now = anyio.current_time()
             item = policy.peek(now)
             if item is None:
                 return
             live = self._live[item.rid]
-            need = blocks_for(item.prompt_tokens + item.max_tokens, self._block_tokens)
-            if isinstance(await self._pool.call(Reserve(item.rid, need)), Denied):
-                return  # head-of-line waits for memory; finished requests will free it
+            admit = await self._reserve(live)
+            if admit is None:
+                return  # head-of-line waits for memory (or for its prefix being computed)
             popped = policy.pop(now)
             assert popped is item, "policy.pop() must return what peek() returned"
-            live.running, live.blocks, live.admitted_at = True, need, time.perf_counter()
-            self._running += 1
+            self._rows[item.rid] = live
+            live.running = True
             policy.on_admitted(item, now)
-            self._obs.admitted(live.admitted_at - live.submit.submitted_at)
-            params = live.submit.params
-            stops = tuple(params.stop_token_ids) + (() if params.ignore_eos else self._eos)
-            self._to_worker(
-                Admit(
-                    rid=item.rid,
-                    prompt=live.submit.prompt,
-                    max_tokens=params.max_tokens,
-                    sampling=SamplingSpec(
-                        params.temperature, params.top_p, params.top_k, params.min_p, params.seed
-                    ),
-                    stop_token_ids=tuple(dict.fromkeys(stops)),
-                )
-            )
-            log.debug("request_admitted", request_id=item.rid, tenant=item.tenant, blocks=need)
+            if live.admitted_at is None:
+                live.admitted_at = time.perf_counter()
+                self._obs.admitted(live.admitted_at - live.submit.submitted_at)
+            self._to_worker(admit)
+            log.debug("request_admitted", request_id=item.rid, tenant=item.tenant, blocks=live.blocks,
+                      prefix_blocks=len(admit.prefix), session=admit.resume or None)
+
+    async def _reserve(self, live: Live) -> Admit | None:
+        """Reserve `live`'s blocks (and the padding its row adds); the Admit to send, or None."""
+        plan, rid = self._plan, live.item.rid
+        params = live.submit.params
+        prompt = live.prompt
+        remaining = params.max_tokens - live.completion_tokens
+        blocks = plan.at_admission(len(prompt), remaining)
+        length, final = len(prompt), len(prompt) + remaining
+        rows = [plan.row(r.length, r.final) for r in self._rows.values()]
+        rows.append(plan.row(length, final))
+        padding = plan.padding(rows, self._held + blocks)
+        if live.keys is None:
+            live.keys = prompt_keys(prompt, plan.block_tokens) if self._prefix_cache else []
+        session = live.submit.session if live.preemptions == 0 else None
+        reply = await self._pool.call(
+            Reserve(rid, blocks, live.keys, session, padding, keep_free=plan.keep_free)
+        )
+        if isinstance(reply, Denied):
+            return None
+        assert isinstance(reply, Granted)
+        if reply.evicted:
+            self._to_worker(Evict(reply.evicted))
+        live.blocks, live.length, live.final = reply.blocks, length, final
+        self._held += reply.blocks
+        self._padding = padding
+        hits = reply.prefix_hits
+        live.pinned = hits > 0
+        c = self.counters
+        if reply.session_tokens:
+            c.session_hits += 1
+        if self._prefix_cache and not reply.session_tokens:
+            c.prefix_queries += 1
+            c.prefix_query_tokens += len(prompt)
+            c.prefix_hit_tokens += hits * plan.block_tokens
+            self._obs.prefix_query(hits * plan.block_tokens, len(prompt))
+        stops = tuple(params.stop_token_ids) + (() if params.ignore_eos else self._eos)
+        return Admit(
+            rid=rid,
+            prompt=prompt,
+            max_tokens=remaining,
+            sampling=SamplingSpec(
+                params.temperature, params.top_p, params.top_k, params.min_p, params.seed
+            ),
+            stop_token_ids=tuple(dict.fromkeys(stops)),
+            prefix=live.keys[:hits],
+            store=live.keys[hits:],
+            session=live.submit.session,
+            resume=reply.session_tokens > 0,
+        )
 
     # ---- worker events ----------------------------------------------------------------------
     async def _on_step(self, out: StepOutput) -> None:
         c = self.counters
         c.steps, c.engine_batch = max(c.steps, out.step), out.held
+        if out.active_bytes:
+            c.active_bytes = out.active_bytes
         for rid in out.aborted:
             await self._dropped_by_worker(rid)
+        for key, size in out.stored:
+            await self._cache(key, size)
         live_map = self._live
         touched: list[Live] = []
         for rid, token in zip(out.rids, out.tokens, strict=True):
@@ -252,10 +324,16 @@ class Admission:
         if out.t_end > out.t_start:  # not a message that only confirms aborts
             self._obs.step(out.held, out.t_end - out.t_start, len(out.tokens))
         now = time.perf_counter()
+        unpin: list[int] = []
         for live in touched:
             tokens, live.pending = live.pending, []
             text, hit = live.text.add(tokens)
             live.completion_tokens += len(tokens)
+            live.tokens.extend(tokens)
+            live.length += len(tokens)
+            if live.pinned:  # its prompt is in the batch: the cached blocks may go
+                live.pinned = False
+                unpin.append(live.item.rid)
             self._policy.on_tokens(live.item, len(tokens))
             if live.first_token_at is None:
                 live.first_token_at = now
@@ -275,6 +353,97 @@ class Admission:
                 continue
             ending: FinishReason = "length" if reason == "length" else "stop"
             await self._dropped_by_worker(rid, ending=ending)
+        for rid in unpin:
+            await self._pool.call(Unpin(rid))
+        if touched and self._plan.mode == "on-demand":
+            await self._grow(touched)
+
+    # ---- memory: growth, preemption, caches ---------------------------------------------------
+    def _target_padding(self, held: int) -> int:
+        plan = self._plan
+        return plan.padding((plan.row(r.length, r.final) for r in self._rows.values()), held)
+
+    async def _grow(self, touched: list[Live]) -> None:
+        """On demand: give each row that crossed a block boundary its next block, and the dense
+        cache the padding it now needs; when the pool is out of blocks, preempt."""
+        plan = self._plan
+        for live in touched:
+            need = plan.blocks(live.length)
+            if need <= live.blocks or live.item.rid not in self._rows or live.preempting or live.ended:
+                continue
+            padding = self._target_padding(self._held + need - live.blocks)
+            reply = await self._pool.call(Resize(live.item.rid, need, padding))
+            if isinstance(reply, Denied):
+                self._preempt(live)
+                return
+            assert isinstance(reply, Granted)
+            if reply.evicted:
+                self._to_worker(Evict(reply.evicted))
+            self._held += need - live.blocks
+            live.blocks, self._padding = need, padding
+        padding = self._target_padding(self._held)
+        if padding != self._padding:
+            reply = await self._pool.call(Resize(PADDING, padding))
+            if isinstance(reply, Denied):
+                self._preempt(touched[0])
+                return
+            assert isinstance(reply, Granted)
+            if reply.evicted:
+                self._to_worker(Evict(reply.evicted))
+            self._padding = padding
+
+    def _preempt(self, short: Live) -> None:
+        """Free memory for `short`: ask the worker to drop the policy's victim, unless blocks are
+        already on their way back (then wait for them and try again)."""
+        if self._freeing > 0:
+            return
+        candidates = [r.item for r in self._rows.values() if not r.preempting and not r.ended]
+        victim_item = self._policy.victim(candidates, anyio.current_time())
+        victim = self._rows.get(victim_item.rid) if victim_item is not None else None
+        if victim is None or victim.preempting or victim.ended:
+            victim = short
+        victim.preempting = True
+        self._freeing += victim.blocks
+        self._to_worker(Abort([victim.item.rid]))
+        log.info("request_preempted", request_id=victim.item.rid, tenant=victim.item.tenant,
+                 blocks=victim.blocks, generated=victim.completion_tokens)
+
+    def _requeue(self, live: Live) -> None:
+        """A preempted request waits again, with what it generated appended to its prompt, to be
+        recomputed; its stream carries on."""
+        now = anyio.current_time()
+        live.preemptions += 1
+        live.prompt = live.submit.prompt + live.tokens
+        live.keys = None
+        self._policy.on_finished(live.item, now)
+        live.item = msgspec.structs.replace(
+            live.item, prompt_tokens=len(live.prompt),
+            max_tokens=live.submit.params.max_tokens - live.completion_tokens,
+        )
+        self._policy.push(live.item, now)
+        self.counters.preemptions += 1
+        self._obs.preempted()
+
+    async def _cache(self, key: Key, tokens: int) -> None:
+        """The worker stored KV under `key`: put it in the books, or tell the worker to drop it."""
+        reply = await self._pool.call(Cache(key, self._plan.blocks(tokens), tokens))
+        assert isinstance(reply, Cached)
+        drop = list(reply.evicted) + ([] if reply.ok else [key])
+        if drop:
+            self._to_worker(Evict(drop))
+
+    async def _release(self, live: Live) -> None:
+        """`live`'s row is gone from the batch: return its blocks and shrink the padding."""
+        rid = live.item.rid
+        live.running = False
+        del self._rows[rid]
+        self._held -= live.blocks
+        if live.preempting:
+            self._freeing -= live.blocks
+            live.preempting = False
+        live.blocks = 0
+        self._padding = min(self._padding, self._target_padding(self._held))
+        await self._pool.call(Release(rid, self._padding))
 
     async def _dropped_by_worker(
         self, rid: int, *, ending: FinishReason | None = None, error: str | None = None
@@ -284,9 +453,11 @@ class Admission:
         live = self._live.get(rid)
         if live is None or not live.running:
             return
-        live.running = False
-        self._running -= 1
-        await self._pool.call(Release(rid))
+        preempted = live.preempting
+        await self._release(live)
+        if preempted and not live.ended and ending is None and error is None:
+            self._requeue(live)
+            return
         if not live.ended and ending is not None:
             self._end(live, ending, live.text.finish(), [])
         elif not live.ended:  # lost in a failed step (or dropped unasked, which must not happen)
@@ -324,9 +495,9 @@ class Admission:
         ttft_s = None if live.first_token_at is None else live.first_token_at - t0
         timings = Timings(queue_s=queue_s, ttft_s=ttft_s, e2e_s=now - t0)
         rid = live.item.rid
+        prompt_tokens = len(live.submit.prompt)
         final = Chunk(
-            rid, text, tokens, reason, live.item.prompt_tokens, live.completion_tokens,
-            timings, error,
+            rid, text, tokens, reason, prompt_tokens, live.completion_tokens, timings, error,
         )
         try:
             live.out.send_nowait(final)
@@ -334,7 +505,7 @@ class Admission:
             pass  # nobody is listening any more; the ending still counts
         live.out.close()
         self.counters.finished += 1
-        self._obs.finished(reason, live.item.prompt_tokens, live.completion_tokens, queue_s, now - t0)
+        self._obs.finished(reason, prompt_tokens, live.completion_tokens, queue_s, now - t0)
         log.debug("request_finished", request_id=rid, tenant=live.item.tenant, reason=reason,
                   completion_tokens=live.completion_tokens)
         if not live.running:
@@ -365,9 +536,7 @@ class Admission:
                     self._policy.remove(live.item.rid)
                 self._end(live, reason, "", [], error=error)
             if live.running:
-                live.running = False
-                self._running -= 1
-                await self._pool.call(Release(live.item.rid))
+                await self._release(live)
                 self._live.pop(live.item.rid, None)
                 self._policy.on_finished(live.item, anyio.current_time())
         self._deadlines.clear()

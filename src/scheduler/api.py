@@ -23,11 +23,12 @@ from scheduler.errors import (
     SchedulerClosed,
     SchedulerError,
 )
-from scheduler.messages import Cancel, Close, Submit, SubmitEnvelope
+from scheduler.kvplan import KVPlan
+from scheduler.messages import Cancel, Close, DropSession, Submit, SubmitEnvelope
 from scheduler.policy import make_policy
 from scheduler.stream import RequestStream
 from scheduler.types import Chunk, Completion, SchedulerStats
-from scheduler.validation import check_arguments, check_length
+from scheduler.validation import check_arguments, check_length, check_session
 from workers.factory import Loaded, mlx_engine_factory
 from workers.faults import FaultPlan, with_faults
 from workers.worker import EngineFactory, GPUWorker, WorkerStartError
@@ -72,6 +73,7 @@ class Scheduler:
             prefill_batch=c.worker.prefill_batch,
             prefill_step=c.worker.prefill_step,
             step_token_budget=c.worker.step_token_budget,
+            block_tokens=c.kvpool.block_tokens,
         )
         if faults is not None:
             self._factory = with_faults(self._factory, faults)
@@ -81,6 +83,7 @@ class Scheduler:
         self._admission: Admission | None = None
         self._pool: Pool | None = None
         self._loaded: Loaded | None = None
+        self._kv_budget = 0
         self._state = "new"
         self._done = anyio.Event()
         self._worker_done = anyio.Event()
@@ -109,23 +112,30 @@ class Scheduler:
                 raise ModelLoadError(str(exc)) from exc.__cause__
             self._loaded = loaded
             info = loaded.info
-            blocks = pool_blocks(self._memory_bytes(), c.kvpool.block_tokens, info.kv_bytes_per_token)
+            memory = self._memory_bytes()
+            self._kv_budget = memory - info.weights_bytes
+            blocks = pool_blocks(self._kv_budget, c.kvpool.block_tokens, info.kv_bytes_per_token)
             if blocks < 1:
                 raise ConfigError(
-                    f"kvpool.memory: {c.kvpool.memory!r} holds no block of {c.kvpool.block_tokens} "
-                    f"tokens at {info.kv_bytes_per_token} bytes per token"
+                    f"kvpool.memory: {c.kvpool.memory!r} ({memory} bytes) less the model's weights "
+                    f"({info.weights_bytes} bytes) holds no block of {c.kvpool.block_tokens} tokens "
+                    f"at {info.kv_bytes_per_token} bytes per token; raise it"
                 )
             self._pool = Pool(BlockBooks(blocks, c.kvpool.block_tokens,
                                          c.kvpool.block_tokens * info.kv_bytes_per_token))
             await tg.start(self._run_pool, self._pool)
+            plan = KVPlan(
+                mode=c.kvpool.mode, block_tokens=c.kvpool.block_tokens, blocks_total=blocks,
+                watermark=c.kvpool.watermark, dense_step=loaded.dense_step,
+            )
             self._admission = Admission(
                 policy=policy,
                 pool=self._pool,
                 send_to_worker=worker.send,
                 codec=loaded.codec,
                 eos_token_ids=tuple(info.eos_token_ids),
-                block_tokens=c.kvpool.block_tokens,
-                blocks_total=blocks,
+                plan=plan,
+                prefix_cache=c.kvpool.prefix_cache and loaded.kv_reuse,
                 max_batch=c.worker.max_batch,
                 max_queue=c.scheduler.max_queue,
                 observer=self.metrics,
@@ -233,14 +243,22 @@ class Scheduler:
         priority: int = 0,
         tenant: str = "default",
         timeout: float | None = None,
+        session: str | None = None,
     ) -> RequestStream:
         """Stream a request's chunks: `async for chunk in sched.generate(...)`.
+
+        `session`: keep this conversation's KV when the request finishes, and start from the
+        session's KV if it has some, so the next turn (whose prompt continues this one's prompt
+        and output) prefills only what is new. `drop_session` frees it.
 
         Arguments are checked here (`InvalidRequest`); the prompt's length, the queue
         (`QueueFull`) and the scheduler's state (`SchedulerClosed`) when iteration starts."""
         self._check_running()
         params = check_arguments(prompt, params, priority, tenant, timeout, self.model.info.vocab_size)
-        return RequestStream(self._submit, self._cancel, prompt, params, priority, tenant, timeout)
+        check_session(session)
+        return RequestStream(
+            self._submit, self._cancel, prompt, params, priority, tenant, timeout, session
+        )
 
     async def complete(
         self,
@@ -250,13 +268,14 @@ class Scheduler:
         priority: int = 0,
         tenant: str = "default",
         timeout: float | None = None,
+        session: str | None = None,
     ) -> Completion:
         """Run a request to its end and return it whole."""
         text: list[str] = []
         ids: list[int] = []
         last: Chunk | None = None
         async with self.generate(
-            prompt, params, priority=priority, tenant=tenant, timeout=timeout
+            prompt, params, priority=priority, tenant=tenant, timeout=timeout, session=session
         ) as stream:
             async for chunk in stream:
                 text.append(chunk.text)
@@ -275,12 +294,35 @@ class Scheduler:
         if a is None or p is None:
             raise SchedulerClosed("the scheduler has not been started")
         c, s = a.counters, p.snapshot
+        weights = self._loaded.info.weights_bytes if self._loaded is not None else 0
         return SchedulerStats(
             running=a.running, waiting=a.waiting, engine_batch=c.engine_batch,
             blocks_total=s.blocks_total, blocks_used=s.blocks_used, blocks_cached=s.blocks_cached,
             blocks_free=s.blocks_free, finished=c.finished, rejected=c.rejected, steps=c.steps,
             generated_tokens=c.generated_tokens,
+            blocks_padding=s.blocks_padding, block_tokens=s.block_tokens,
+            kv_budget_bytes=s.blocks_total * s.bytes_per_block,
+            kv_bytes=(s.blocks_used + s.blocks_cached) * s.bytes_per_block,
+            weights_bytes=weights, active_bytes=c.active_bytes,
+            preemptions=c.preemptions, evictions=s.evictions, cache_entries=s.cache_entries,
+            prefix_queries=c.prefix_queries, prefix_query_tokens=c.prefix_query_tokens,
+            prefix_hit_tokens=c.prefix_hit_tokens, session_hits=c.session_hits,
         )
+
+    async def drop_session(self, session: str) -> bool:
+        """Free the KV a session keeps; False when it had none (never kept, evicted, dropped,
+        or taken by a turn still running)."""
+        check_session(session)
+        self._check_running()
+        assert self._admission is not None
+        reply_send, reply_recv = anyio.create_memory_object_stream[bool](1)
+        self._admission.send.send_nowait(DropSession(session, reply_send))
+        with reply_recv, anyio.CancelScope(shield=True):
+            try:
+                dropped = await reply_recv.receive()
+            except anyio.EndOfStream:
+                raise SchedulerClosed("the scheduler closed before dropping the session") from None
+        return dropped
 
     def metrics_text(self) -> str:
         """This scheduler's metrics in the Prometheus text format (`mlx_scheduler_*`)."""
@@ -304,7 +346,7 @@ class Scheduler:
 
     async def _submit(
         self, prompt: str | list[int], params: SamplingParams, priority: int, tenant: str,
-        timeout: float | None,
+        timeout: float | None, session: str | None,
     ) -> tuple[int, MemoryObjectReceiveStream[Chunk]]:
         submitted_at = time.perf_counter()
         self._check_running()
@@ -323,7 +365,7 @@ class Scheduler:
         assert self._admission is not None
         out_send, out_recv = anyio.create_memory_object_stream[Chunk](params.max_tokens + 2)
         reply_send, reply_recv = anyio.create_memory_object_stream[int | SchedulerError](1)
-        msg = Submit(tokens, params, priority, tenant, timeout, submitted_at)
+        msg = Submit(tokens, params, priority, tenant, timeout, submitted_at, session)
         self._admission.send.send_nowait(SubmitEnvelope(msg, reply_send, out_send))
         with reply_recv, anyio.CancelScope(shield=True):
             # Shielded: once submitted, we must learn the id to be able to cancel it.

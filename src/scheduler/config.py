@@ -95,8 +95,18 @@ class WorkerSection(_Section):
 
 class KVPoolSection(_Section):
     block_tokens: PositiveInt = 256
+    """Tokens per KV block: the unit of the books and of prefix reuse."""
     memory: str | float = "2GiB"
-    """Bytes as "2GiB", "512MB", an integer; or a fraction in (0, 1] of the device's memory."""
+    """Memory for the model: bytes as "2GiB", "512MB", an integer; or a fraction in (0, 1] of the
+    device's memory. The weights are subtracted; the rest is the KV budget."""
+    mode: Literal["reserve", "on-demand"] = "reserve"
+    """"reserve": a request holds blocks for prompt + max_tokens from admission, never preempted.
+    "on-demand": the prompt's blocks plus one, more as it grows; when blocks run out, the
+    policy's victim is preempted, requeued and recomputed later (nothing lost)."""
+    watermark: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.01
+    """On-demand: the fraction of blocks an admission must leave free, for running requests to grow."""
+    prefix_cache: bool = True
+    """Keep full prompt blocks and reuse them for prompts that start with the same tokens."""
 
 
 class LoggingSection(_Section):

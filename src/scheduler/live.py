@@ -31,6 +31,19 @@ class Live:
     """The final chunk has been sent; a running request still waits for the worker to drop it."""
     blocks: int = 0
     pending: list[int] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)
+    """What its row is (re)admitted with: the prompt, plus what it generated before a preemption."""
+    keys: list[int] | None = None
+    """Chained keys of `prompt`'s full blocks (computed once per `prompt`)."""
+    tokens: list[int] = field(default_factory=list)
+    """Every token generated so far."""
+    length: int = 0
+    """Tokens in its row now (while running)."""
+    final: int = 0
+    """Tokens in its row when it reaches max_tokens."""
+    pinned: bool = False
+    preempting: bool = False
+    preemptions: int = 0
 
 
 @dataclass
@@ -40,3 +53,9 @@ class Counters:
     steps: int = 0
     generated_tokens: int = 0
     engine_batch: int = 0
+    preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    session_hits: int = 0
+    active_bytes: int = 0

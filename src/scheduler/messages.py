@@ -23,6 +23,7 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     tenant: str
     timeout: float | None
     submitted_at: float
+    session: str | None = None
 
 
 class Cancel(msgspec.Struct, frozen=True, tag=True):
@@ -44,3 +45,10 @@ class SubmitEnvelope(NamedTuple):
     """The request id, or the error to raise in the caller."""
     out: MemoryObjectSendStream[Chunk]
     """The request's chunks; sized so that sending never blocks."""
+
+
+class DropSession(NamedTuple):
+    """Free a session's cached KV; the reply says whether there was one."""
+
+    session: str
+    reply: MemoryObjectSendStream[bool]

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from types import TracebackType
 
 SubmitFn = Callable[
-    [str | list[int], SamplingParams, int, str, float | None],
+    [str | list[int], SamplingParams, int, str, float | None, str | None],
     Awaitable[tuple[int, MemoryObjectReceiveStream[Chunk]]],
 ]
 
@@ -34,10 +34,11 @@ class RequestStream:
         priority: int,
         tenant: str,
         timeout: float | None,
+        session: str | None = None,
     ) -> None:
         self._submit = submit
         self._cancel = cancel
-        self._args = (prompt, params, priority, tenant, timeout)
+        self._args = (prompt, params, priority, tenant, timeout, session)
         self._rid: int | None = None
         self._recv: MemoryObjectReceiveStream[Chunk] | None = None
         self._done = False

@@ -58,3 +58,22 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     rejected: int
     steps: int
     generated_tokens: int
+    blocks_padding: int = 0
+    """Blocks (of `blocks_used`) the dense batch cache spends on padding shorter rows."""
+    block_tokens: int = 0
+    kv_budget_bytes: int = 0
+    """The pool: `[kvpool] memory` less the weights, in whole blocks."""
+    kv_bytes: int = 0
+    """What the books hold: (blocks_used + blocks_cached) x bytes per block."""
+    weights_bytes: int = 0
+    active_bytes: int = 0
+    """MLX's active memory after the last step (weights, KV and scratch; 0 before any step)."""
+    preemptions: int = 0
+    evictions: int = 0
+    """Cache entries (prefix blocks, sessions) evicted to make room."""
+    cache_entries: int = 0
+    prefix_queries: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache instead of prefill."""
+    session_hits: int = 0

@@ -10,6 +10,16 @@ from scheduler.params import SamplingParams
 MAX_TENANT_CHARS = 256
 
 
+def check_session(session: object) -> None:
+    if session is not None and (
+        not isinstance(session, str) or not session or len(session) > MAX_TENANT_CHARS
+    ):
+        raise InvalidRequest(
+            f"session must be None or a non-empty string of at most {MAX_TENANT_CHARS} characters, "
+            f"got {session!r}"[:200]
+        )
+
+
 def check_arguments(
     prompt: object,
     params: object,

@@ -11,10 +11,12 @@ from typing import Any, NamedTuple, Protocol, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
 from workers.budget import PrefillBudget
-from workers.messages import Admit, SamplingSpec
+from workers.kvstore import KVStore, LayerKV, common_prefix, is_plain_kv
+from workers.messages import Admit, Key, SamplingSpec
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -28,6 +30,10 @@ class StepResult(NamedTuple):
     finished: list[int]
     reasons: list[str]
     prefill_tokens: int = 0
+    stored: list[tuple[Key, int]] = []
+    """KV newly kept this step: prefix blocks and finished sessions, as (key, tokens)."""
+    active_bytes: int = 0
+    """The backend's active memory after the step (0: not measured)."""
 
 
 class Engine(Protocol):
@@ -38,6 +44,10 @@ class Engine(Protocol):
     def remove(self, rids: Sequence[int]) -> None: ...
 
     def step(self) -> StepResult: ...
+
+    def evict(self, keys: Sequence[Key]) -> None:
+        """Drop stored prefix blocks or sessions."""
+        ...
 
     def has_work(self) -> bool: ...
 
@@ -88,8 +98,13 @@ class MLXEngine:
         prefill_batch: int,
         prefill_step: int,
         step_token_budget: int | str = "auto",
+        block_tokens: int = 256,
     ) -> None:
         self._vocab_size = vocab_size
+        # Prefix blocks and sessions need caches this store can slice and rebuild.
+        self._store = KVStore(block_tokens) if is_plain_kv(make_prompt_cache(model)) else None
+        self._store_plan: dict[int, tuple[list[int], int]] = {}
+        self._session_of: dict[int, str] = {}
         if step_token_budget == "auto" and mx.default_device().type == mx.DeviceType.gpu:
             # Measured on an H100: each step that prefills syncs MLX's pipelined decode, so
             # spreading prefill over many steps cost about half the throughput at 64 streams.
@@ -131,21 +146,82 @@ class MLXEngine:
             self._stops[ids] = StopSequences([(t,) for t in ids] if ids else None)
         return self._stops[ids]
 
+    @property
+    def reuses_kv(self) -> bool:
+        """Whether prefix blocks and sessions work with this model's cache."""
+        return self._store is not None
+
+    def _start(self, admit: Admit) -> tuple[list[int], Any, list[int]]:
+        """(prompt left to prefill, starting cache or None, tokens that cache holds)."""
+        prompt = list(admit.prompt)
+        store = self._store
+        if store is None:
+            return prompt, None, []
+        if admit.resume and admit.session is not None:
+            kept = store.take_session(admit.session)
+            if kept is not None:
+                cache, tokens = kept
+                # Keep what the new prompt shares with the session; at least one token to feed.
+                n = min(common_prefix(tokens, prompt), len(prompt) - 1)
+                if n > 0:
+                    for c in cache:
+                        c.trim(len(tokens) - n)
+                    return prompt[n:], cache, prompt[:n]
+        if admit.prefix:
+            blocks, built = store.prefix_cache(admit.prefix)
+            n = blocks * store.block_tokens
+            if built is not None and n < len(prompt):
+                return prompt[n:], built, prompt[:n]
+        return prompt, None, []
+
     def insert(self, admits: Sequence[Admit]) -> None:
         if not admits:
             return
+        starts = [self._start(a) for a in admits]
         uids = self._gen.insert(
-            [list(a.prompt) for a in admits],
+            [p for p, _, _ in starts],
             max_tokens=[a.max_tokens for a in admits],
+            caches=[c for _, c, _ in starts] if any(c is not None for _, c, _ in starts) else None,
+            all_tokens=[t for _, _, t in starts],
             samplers=cast("Any", [self._sampler(a.sampling) for a in admits]),
             stop_sequences=[self._stop(a.stop_token_ids) for a in admits],
         )
-        for uid, admit in zip(uids, admits, strict=True):
+        for uid, admit, (rest, _, _) in zip(uids, admits, starts, strict=True):
             self._rid_of[uid] = admit.rid
             self._uid_of[admit.rid] = uid
-            self._budget.inserted(len(admit.prompt), admit.max_tokens)
+            self._budget.inserted(len(rest), admit.max_tokens)
+            if self._store is not None:
+                if admit.store:
+                    self._store_plan[admit.rid] = (admit.store, len(admit.prefix))
+                if admit.session is not None:
+                    self._session_of[admit.rid] = admit.session
+
+    def evict(self, keys: Sequence[Key]) -> None:
+        if self._store is not None:
+            self._store.evict(keys)
+
+    def _keep(self, uid: int, rid: int, finished: Any) -> list[tuple[Key, int]]:
+        """Store the prompt blocks `rid` was asked to keep, now that its prompt is prefilled;
+        `finished`: its finishing response (it already left the batch), else None."""
+        store = self._store
+        keys, first = self._store_plan.pop(rid)
+        assert store is not None
+        row: list[LayerKV]
+        if finished is not None:
+            row = [(c.keys, c.values) for c in finished.prompt_cache]
+            start = 0
+        else:
+            batch = self._gen._generation_batch
+            idx = batch.uids.index(uid)
+            caches = batch.prompt_cache
+            row = [(c.keys[idx : idx + 1], c.values[idx : idx + 1]) for c in caches]
+            start = int(caches[0].left_padding[idx].item())
+        return store.store_blocks(keys, first, row, start)
 
     def remove(self, rids: Sequence[int]) -> None:
+        for rid in rids:
+            self._store_plan.pop(rid, None)
+            self._session_of.pop(rid, None)
         uids = [self._uid_of.pop(rid) for rid in rids if rid in self._uid_of]
         if uids:
             self._gen.remove(uids)
@@ -169,17 +245,24 @@ class MLXEngine:
         tokens: list[int] = []
         finished: list[int] = []
         reasons: list[str] = []
+        stored: list[tuple[Key, int]] = []
+        plan = self._store_plan
         for r in responses:
             rid = self._rid_of[r.uid]
             if r.finish_reason != "stop":  # a stop token ends the output; it is not part of it
                 rids.append(rid)
                 tokens.append(r.token)
+            if plan and rid in plan:
+                stored.extend(self._keep(r.uid, rid, r if r.finish_reason is not None else None))
             if r.finish_reason is not None:
                 finished.append(rid)
                 reasons.append(r.finish_reason)
                 del self._rid_of[r.uid]
                 del self._uid_of[rid]
-        return StepResult(rids, tokens, finished, reasons, prefilled)
+                session = self._session_of.pop(rid, None)
+                if session is not None and self._store is not None:
+                    stored.append(self._store.keep_session(session, r.prompt_cache, r.all_tokens))
+        return StepResult(rids, tokens, finished, reasons, prefilled, stored, mx.get_active_memory())
 
     def has_work(self) -> bool:
         return bool(self._rid_of)
@@ -200,3 +283,5 @@ class MLXEngine:
         self._gen.close()
         self._rid_of.clear()
         self._uid_of.clear()
+        self._store_plan.clear()
+        self._session_of.clear()

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import msgspec
+from mlx_lm.models.cache import KVCache
 
 from workers.engine import Engine, MLXEngine
 from workers.models import ModelInfo, load_model, model_info
@@ -38,6 +39,10 @@ class Loaded(msgspec.Struct, frozen=True):
     codec: Any
     device_memory: int | None = None
     """Bytes of memory the MLX device reports (None on the CPU backend)."""
+    dense_step: int = 1
+    """The engine's batch cache grows its rows to a multiple of this many tokens (mlx-lm: 256)."""
+    kv_reuse: bool = False
+    """Whether the engine can keep and reuse prefix blocks and session caches."""
 
 
 def mlx_engine_factory(
@@ -48,6 +53,7 @@ def mlx_engine_factory(
     prefill_batch: int,
     prefill_step: int,
     step_token_budget: int | str = "auto",
+    block_tokens: int = 256,
 ) -> Callable[[], tuple[Engine, Loaded]]:
     """A factory to call on the worker thread (MLX streams are thread-local)."""
 
@@ -61,8 +67,13 @@ def mlx_engine_factory(
             prefill_batch=prefill_batch,
             prefill_step=prefill_step,
             step_token_budget=step_token_budget,
+            block_tokens=block_tokens,
         )
-        return engine, Loaded(info, TokenizerCodec(tokenizer), device_memory())
+        loaded = Loaded(
+            info, TokenizerCodec(tokenizer), device_memory(), dense_step=KVCache.step,
+            kv_reuse=engine.reuses_kv,
+        )
+        return engine, loaded
 
     return build
 

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from workers.engine import Engine, StepResult
-    from workers.messages import Admit
+    from workers.messages import Admit, Key
     from workers.worker import EngineFactory
 
 InfoT = TypeVar("InfoT")
@@ -43,6 +43,9 @@ class FaultyEngine:
 
     def remove(self, rids: Sequence[int]) -> None:
         self._inner.remove(rids)
+
+    def evict(self, keys: Sequence[Key]) -> None:
+        self._inner.evict(keys)
 
     def step(self) -> StepResult:
         self.steps += 1

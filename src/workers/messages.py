@@ -15,14 +15,28 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True):
     seed: int | None = None
 
 
+Key = int | str
+"""A stored KV entry: a prefix block's chained hash (int) or a session name (str)."""
+
+
 class Admit(msgspec.Struct, frozen=True, tag=True):
-    """Insert a request into the batch. `prompt` is final: the worker never tokenizes."""
+    """Insert a request into the batch. `prompt` is final: the worker never tokenizes.
+
+    `prefix`: keys of stored prefix blocks that hold the KV of the prompt's first
+    `len(prefix) * block_tokens` tokens; insert with that KV and prefill only the rest.
+    `store`: keys of the prompt's next full blocks; once prefilled, keep their KV under them
+    (skipping keys already stored) and report them in `StepOutput.stored`.
+    `session`: keep the finished sequence's KV under this name; `resume`: start from it."""
 
     rid: int
     prompt: list[int]
     max_tokens: int
     sampling: SamplingSpec
     stop_token_ids: tuple[int, ...]
+    prefix: list[int] = []
+    store: list[int] = []
+    session: str | None = None
+    resume: bool = False
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -31,11 +45,17 @@ class Abort(msgspec.Struct, frozen=True, tag=True):
     rids: list[int]
 
 
+class Evict(msgspec.Struct, frozen=True, tag=True):
+    """Drop the stored KV of these prefix blocks or sessions (the pool evicted them)."""
+
+    keys: list[Key]
+
+
 class Shutdown(msgspec.Struct, frozen=True, tag=True):
     """Stop stepping, close the engine and end the thread."""
 
 
-WorkerCommand = Admit | Abort | Shutdown
+WorkerCommand = Admit | Abort | Evict | Shutdown
 
 
 class StepOutput(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=True):
@@ -54,6 +74,10 @@ class StepOutput(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=Tru
     t_start: float
     t_end: float
     prefill_tokens: int = 0
+    stored: list[tuple[Key, int]] = []
+    """KV newly stored this step, as (key, tokens): prefix blocks and finished sessions."""
+    active_bytes: int = 0
+    """MLX's active memory after the step."""
 
 
 class WorkerReady(msgspec.Struct, frozen=True, tag=True):

@@ -18,10 +18,11 @@ import anyio
 import structlog
 
 from workers.bridge import LoopCaller, LoopClosed
-from workers.engine import Engine
+from workers.engine import Engine, StepResult
 from workers.messages import (
     Abort,
     Admit,
+    Evict,
     Shutdown,
     StepOutput,
     WorkerCommand,
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("workers")
 InfoT = TypeVar("InfoT")
 EngineFactory = Callable[[], tuple[Engine, InfoT]]
+
+
+_NOTHING = StepResult([], [], [], [], 0)
 
 
 class WorkerStartError(RuntimeError):
@@ -160,6 +164,8 @@ class GPUWorker(Generic[InfoT]):
                         admits.append(command)
                     case Abort(rids):
                         aborted.extend(rids)
+                    case Evict(keys):
+                        engine.evict(keys)  # before inserts: the pool evicted them first
                     case Shutdown():
                         stop = True
             engine.insert(admits)
@@ -168,17 +174,17 @@ class GPUWorker(Generic[InfoT]):
                 return
             if engine.has_work():
                 t_start = time.perf_counter()
-                rids, tokens, finished, reasons, prefilled = engine.step()
+                r = engine.step()
                 self._step += 1
                 t_end = time.perf_counter()
             elif aborted:
                 t_start = t_end = time.perf_counter()
-                rids, tokens, finished, reasons, prefilled = [], [], [], [], 0
+                r = _NOTHING
             else:
                 continue
-            held = engine.held()
             self._post(
                 StepOutput(
-                    self._step, rids, tokens, finished, reasons, aborted, held, t_start, t_end, prefilled
+                    self._step, r.rids, r.tokens, r.finished, r.reasons, aborted, engine.held(),
+                    t_start, t_end, r.prefill_tokens, r.stored, r.active_bytes,
                 )
             )

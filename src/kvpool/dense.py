@@ -1,0 +1,36 @@
+"""What mlx-lm's dense, left-padded batch cache really costs.
+
+`BatchGenerator` keeps one `BatchKVCache` of shape `[rows, kv_heads, T, head_dim]` per layer,
+where `T` is the longest row (rows are right-aligned, shorter ones left-padded) and the buffer
+grows in steps of `DENSE_STEP` tokens. So the batch costs about rows x longest, not the sum of
+the rows' lengths; the books charge the difference to the `PADDING` holder.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvpool.books import blocks_for
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+DENSE_STEP = 256
+"""mlx-lm's `KVCache.step`: the batch cache's buffer grows by this many tokens at a time."""
+
+
+def dense_tokens(rows: int, longest: int, step: int = DENSE_STEP) -> int:
+    """Token slots of a dense batch cache holding `rows` rows whose longest is `longest`."""
+    if rows <= 0 or longest <= 0:
+        return 0
+    return rows * (-(-longest // step) * step)
+
+
+def padding_blocks(lengths: Iterable[int], held: int, block_tokens: int, step: int = DENSE_STEP) -> int:
+    """Blocks the dense cache needs beyond the `held` blocks its rows hold themselves."""
+    rows = 0
+    longest = 0
+    for n in lengths:
+        rows += 1
+        longest = max(longest, n)
+    return max(0, blocks_for(dense_tokens(rows, longest, step), block_tokens) - held)

@@ -1,0 +1,67 @@
+"""How many KV blocks a request needs, and the keys of its prompt blocks (pure; no actors).
+
+The admission actor asks this module what to reserve; the pool keeps the books.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import TYPE_CHECKING, Literal
+
+from kvpool.books import blocks_for
+from kvpool.dense import padding_blocks
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+Mode = Literal["reserve", "on-demand"]
+
+
+def prompt_keys(prompt: list[int], block_tokens: int) -> list[int]:
+    """Chained keys of the prompt's full blocks: each hashes its parent's key and its tokens, so
+    equal keys mean equal prompts up to the end of that block. The last prompt token is never in
+    a block: a hit must leave at least one token to prefill."""
+    keys: list[int] = []
+    parent = b""
+    for i in range((len(prompt) - 1) // block_tokens):
+        block = array("q", prompt[i * block_tokens : (i + 1) * block_tokens]).tobytes()
+        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
+        keys.append(int.from_bytes(parent[:8], "little", signed=True))
+    return keys
+
+
+class KVPlan:
+    """The rules of one pool: block size, mode and the dense batch cache's rounding."""
+
+    def __init__(
+        self, *, mode: Mode, block_tokens: int, blocks_total: int, watermark: float, dense_step: int
+    ) -> None:
+        self.mode = mode
+        self.block_tokens = block_tokens
+        self.blocks_total = blocks_total
+        self.dense_step = dense_step
+        self.keep_free = int(watermark * blocks_total) if mode == "on-demand" else 0
+
+    def blocks(self, tokens: int) -> int:
+        return blocks_for(tokens, self.block_tokens)
+
+    def at_admission(self, prompt_tokens: int, max_tokens: int) -> int:
+        """Blocks to hold on entering the batch: everything it may need (reserve), or its prompt
+        and one block to grow into (on-demand)."""
+        final = self.blocks(prompt_tokens + max_tokens)
+        if self.mode == "reserve":
+            return final
+        return min(final, self.blocks(prompt_tokens) + 1)
+
+    def row(self, length: int, final: int) -> int:
+        """The length the dense cache must plan for a row: its final length in reserve mode (the
+        books then hold for the worst case), its current one on demand."""
+        return final if self.mode == "reserve" else length
+
+    def padding(self, rows: Iterable[int], held: int) -> int:
+        return padding_blocks(rows, held, self.block_tokens, self.dense_step)
+
+    def alone(self, tokens: int) -> int:
+        """Blocks a lone row of `tokens` tokens costs (what must fit in the pool at all)."""
+        return max(self.blocks(tokens), self.padding([tokens], 0))
