@@ -102,6 +102,10 @@ class BlockBooks:
         entry = self._entries.get(key)
         return None if entry is None else (len(entry.blocks), entry.tokens)
 
+    def pinned(self, key: Key) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and bool(entry.pins)
+
     def keys(self) -> list[Key]:
         """Cache keys, least recently used first."""
         return list(self._entries)

@@ -1,7 +1,8 @@
 """Messages the pool actor receives and emits.
 
-Every command may carry `padding`: the blocks the dense batch cache spends on padding after it
-takes effect; the pool sets the `PADDING` holder to it in the same step, so a grant covers both.
+Reserve and Resize may carry `padding`: the blocks the dense batch cache spends on padding after
+they take effect; the pool sets the `PADDING` holder to it in the same step, so a grant covers
+both. Release's `padding` only ever shrinks it.
 """
 
 from __future__ import annotations

@@ -24,10 +24,12 @@ from kvpool.messages import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from anyio.abc import TaskStatus
     from anyio.streams.memory import MemoryObjectSendStream
 
-    from kvpool.books import BlockBooks, PoolSnapshot
+    from kvpool.books import BlockBooks, Key, PoolSnapshot
 
 
 class PoolEnvelope(NamedTuple):
@@ -73,11 +75,11 @@ def handle(books: BlockBooks, msg: PoolCommand) -> PoolReply:
         case Reserve(rid, blocks, prefix, session, padding, keep_free):
             return _reserve(books, rid, blocks, prefix, session, padding, keep_free)
         case Resize(rid, blocks, padding):
-            return _grow(books, rid, blocks, padding)
+            return _resize(books, rid, blocks, padding)
         case Release(rid, padding):
             released = books.release(rid)
-            if padding is not None:
-                books.resize(PADDING, min(padding, books.held(PADDING)))  # shrinking always fits
+            if padding is not None:  # only ever shrinks here, which always fits
+                books.resize(PADDING, min(padding, books.held(PADDING)))
             return Released(rid, released)
         case Unpin(rid):
             books.unpin(rid)
@@ -85,6 +87,9 @@ def handle(books: BlockBooks, msg: PoolCommand) -> PoolReply:
         case Cache(key, blocks, tokens):
             if isinstance(key, str):
                 books.drop(key)  # a session's new turn replaces its last
+            elif books.entry_size(key) is not None:
+                books.touch([key])
+                return Cached(key, True)
             evicted = books.make_room(blocks, keep=(key,)) or []
             return Cached(key, books.cache(key, blocks, tokens), evicted)
         case Drop(key):
@@ -92,21 +97,45 @@ def handle(books: BlockBooks, msg: PoolCommand) -> PoolReply:
 
 
 def _grow(
-    books: BlockBooks, rid: int, blocks: int, padding: int | None, keep_free: int = 0
+    books: BlockBooks, rid: int, blocks: int, padding: int | None, keep_free: int = 0,
+    keep: Sequence[Key] = (), credit: int = 0,
 ) -> Granted | Denied:
-    """Set `rid` to `blocks` (and the padding to `padding`), evicting cache entries if needed."""
+    """Set `rid` to `blocks` (and the padding to `padding`), evicting cache entries (never those
+    in `keep`) if needed. `credit`: blocks the caller frees right after a grant (a session taken
+    over). Grants only if `keep_free` blocks stay free or evictable afterwards."""
     targets = {rid: blocks}
     if padding is not None and rid != PADDING:
         targets[PADDING] = padding
-    extra = sum(max(0, n - books.held(h)) for h, n in targets.items())
-    evicted = books.make_room(extra + keep_free)
-    if evicted is None:
+    net = sum(n - books.held(h) for h, n in targets.items())
+    spare = books.evictable - sum(_evictable_blocks(books, k) for k in set(keep))
+    if net + keep_free > books.free + spare + credit:
         return Denied(rid, books.free)
-    # Shrinks first, so their blocks serve the growth.
+    evicted = books.make_room(net - credit, keep=keep)
+    assert evicted is not None, "the spare blocks were counted"
+    return Granted(rid, books.held(rid), evicted=evicted)
+
+
+def _evictable_blocks(books: BlockBooks, key: Key) -> int:
+    size = books.entry_size(key)
+    return 0 if size is None or books.pinned(key) else size[0]
+
+
+def _apply(books: BlockBooks, rid: int, blocks: int, padding: int | None) -> None:
+    """Resize after a grant: shrinks first, so their blocks serve the growth."""
+    targets = {rid: blocks}
+    if padding is not None and rid != PADDING:
+        targets[PADDING] = padding
     for holder, n in sorted(targets.items(), key=lambda hn: hn[1] - books.held(hn[0])):
         grew = books.resize(holder, n)
-        assert grew, "make_room left too few blocks free"
-    return Granted(rid, books.held(rid), evicted=evicted)
+        assert grew, "the grant left too few blocks free"
+
+
+def _resize(books: BlockBooks, rid: int, blocks: int, padding: int | None) -> Granted | Denied:
+    reply = _grow(books, rid, blocks, padding)
+    if isinstance(reply, Granted):
+        _apply(books, rid, blocks, padding)
+        reply = Granted(rid, books.held(rid), evicted=reply.evicted)
+    return reply
 
 
 def _reserve(
@@ -114,27 +143,27 @@ def _reserve(
     padding: int | None, keep_free: int,
 ) -> Granted | Denied:
     size = books.entry_size(session) if session is not None else None
-    if session is not None and size is not None and books.drop(session):
-        # Taking a session over frees its blocks (the request's own blocks hold that KV once
-        # it runs); if the grant still fails, the entry comes back as it was.
-        reply = _grow(books, rid, blocks, padding, keep_free)
+    if session is not None and size is not None and not books.pinned(session):
+        # Taking a session over frees its blocks: the request's own blocks hold that KV once it
+        # runs. They count as room, and the entry goes only if the grant succeeds.
+        reply = _grow(books, rid, blocks, padding, keep_free, keep=(session,), credit=size[0])
         if isinstance(reply, Denied):
-            restored = books.cache(session, *size)
-            assert restored, "a session's own blocks were free again"
             return reply
-        return Granted(rid, reply.blocks, 0, size[1], reply.evicted)
+        books.drop(session)
+        _apply(books, rid, blocks, padding)
+        return Granted(rid, books.held(rid), 0, size[1], reply.evicted)
     hits = books.lookup(prefix)
     if hits < len(prefix):
         owner = books.pending_owner(prefix[hits])
         if owner is not None and owner != rid:
             return Denied(rid, books.free, pending=True)
-    books.pin(rid, prefix[:hits])
-    reply = _grow(books, rid, blocks, padding, keep_free)
+    reply = _grow(books, rid, blocks, padding, keep_free, keep=prefix[:hits])
     if isinstance(reply, Denied):
-        books.unpin(rid)
         return reply
+    _apply(books, rid, blocks, padding)
+    books.pin(rid, reversed(prefix[:hits]))  # leaf first: a chain's root is evicted last
     books.mark_pending(rid, prefix[hits:])
-    return Granted(rid, reply.blocks, hits, 0, reply.evicted)
+    return Granted(rid, books.held(rid), hits, 0, reply.evicted)
 
 
 def pool_blocks(memory_bytes: int, block_tokens: int, kv_bytes_per_token: int) -> int:

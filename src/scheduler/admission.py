@@ -299,6 +299,7 @@ class Admission:
             store=live.keys[hits:],
             session=live.submit.session,
             resume=reply.session_tokens > 0,
+            sampled=live.completion_tokens,
         )
 
     # ---- worker events ----------------------------------------------------------------------
@@ -309,7 +310,7 @@ class Admission:
             c.active_bytes = out.active_bytes
         for rid in out.aborted:
             await self._dropped_by_worker(rid)
-        for key, size in out.stored:
+        for key, size in reversed(out.stored):  # a chain leaf first: its root stays longest
             await self._cache(key, size)
         live_map = self._live
         touched: list[Live] = []

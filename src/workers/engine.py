@@ -66,10 +66,13 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def seeded_sampler(spec: SamplingSpec) -> Sampler:
-    """A sampler with its own random key chain, so a seed reproduces whatever the batch holds."""
+def seeded_sampler(spec: SamplingSpec, skip: int = 0) -> Sampler:
+    """A sampler with its own random key chain, so a seed reproduces whatever the batch holds.
+    `skip`: tokens already sampled from this chain (a preempted request carries on)."""
     assert spec.seed is not None
     key = mx.random.key(spec.seed)
+    for _ in range(skip):
+        key, _ = mx.random.split(key)
     inv_temp = 1.0 / spec.temperature
 
     def sample(logprobs: mx.array) -> mx.array:
@@ -128,13 +131,13 @@ class MLXEngine:
         self._samplers: dict[SamplingSpec, Sampler | None] = {}
         self._stops: dict[tuple[int, ...], StopSequences] = {}
 
-    def _sampler(self, spec: SamplingSpec) -> Sampler | None:
+    def _sampler(self, spec: SamplingSpec, skip: int = 0) -> Sampler | None:
         if spec.top_k >= self._vocab_size:
             spec = SamplingSpec(spec.temperature, spec.top_p, 0, spec.min_p, spec.seed)
         if spec.temperature == 0.0:
             return None  # the generator's shared greedy sampler: one batched argmax
         if spec.seed is not None:
-            return seeded_sampler(spec)
+            return seeded_sampler(spec, skip)
         if spec not in self._samplers:
             self._samplers[spec] = make_sampler(
                 temp=spec.temperature, top_p=spec.top_p, min_p=spec.min_p, top_k=spec.top_k
@@ -183,7 +186,7 @@ class MLXEngine:
             max_tokens=[a.max_tokens for a in admits],
             caches=[c for _, c, _ in starts] if any(c is not None for _, c, _ in starts) else None,
             all_tokens=[t for _, _, t in starts],
-            samplers=cast("Any", [self._sampler(a.sampling) for a in admits]),
+            samplers=cast("Any", [self._sampler(a.sampling, a.sampled) for a in admits]),
             stop_sequences=[self._stop(a.stop_token_ids) for a in admits],
         )
         for uid, admit, (rest, _, _) in zip(uids, admits, starts, strict=True):

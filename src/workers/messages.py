@@ -37,6 +37,8 @@ class Admit(msgspec.Struct, frozen=True, tag=True):
     store: list[int] = []
     session: str | None = None
     resume: bool = False
+    sampled: int = 0
+    """Tokens this request generated before (it was preempted): a seeded sampler skips as many."""
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):

@@ -1,0 +1,184 @@
+"""The KV pool on the real BatchGenerator (synthetic:tiny): preemption, prefix reuse, sessions."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+import anyio
+import pytest
+
+from scheduler import SamplingParams, Scheduler, SchedulerConfig
+from scheduler.types import Completion
+from tests.test_actors import wait_idle
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration]
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def config(cache: Path, **kvpool: object) -> SchedulerConfig:
+    lines = [f'[model]\npath = "synthetic:tiny"\ncache_dir = "{cache}"', "[worker]\nmax_batch = 16"]
+    lines.append("[kvpool]")
+    for k, v in kvpool.items():
+        lines.append(f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}".replace("'", '"'))
+    return SchedulerConfig.from_toml("\n".join(lines))
+
+
+def tokens(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(3, 200) for _ in range(n)]
+
+
+async def run_all(
+    s: Scheduler, jobs: list[tuple[list[int], SamplingParams]]
+) -> list[Completion]:
+    done: dict[int, Completion] = {}
+
+    async def one(i: int) -> None:
+        done[i] = await s.complete(*jobs[i])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(jobs)):
+            tg.start_soon(one, i)
+    return [done[i] for i in range(len(jobs))]
+
+
+async def cold(cache: Path, jobs: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    """Each job's tokens from a scheduler with a large budget and no reuse: the reference."""
+    async with Scheduler(config(cache, prefix_cache=False)) as s:
+        return [c.token_ids for c in await run_all(s, jobs)]
+
+
+async def assert_idle(s: Scheduler) -> None:
+    await wait_idle(s)
+    st = s.stats()
+    assert (st.blocks_used, st.blocks_padding, st.running, st.waiting) == (0, 0, 0, 0)
+    assert st.blocks_free + st.blocks_cached == st.blocks_total
+
+
+async def test_preemption_loses_nothing_and_output_is_the_uninterrupted_one(model_cache: Path) -> None:
+    rng = random.Random(3)
+    jobs = [
+        (tokens(rng.randint(20, 120), rng),
+         SamplingParams(max_tokens=150, ignore_eos=True, temperature=0.0 if i % 2 else 1.0, seed=i))
+        for i in range(20)
+    ]
+    with anyio.fail_after(240):
+        expected = await cold(model_cache, jobs)
+        # ~2.4 MB of KV for 16 rows that each grow to 270 tokens (512 bytes a token): too little.
+        tight = config(model_cache, mode="on-demand", memory=3_000_000, block_tokens=16, watermark=0.0)
+        async with Scheduler(tight) as s:
+            got = await run_all(s, jobs)
+            await assert_idle(s)
+            st = s.stats()
+    assert st.preemptions > 0
+    assert [c.token_ids for c in got] == expected  # none lost, none repeated, same tokens
+    assert all(c.finish_reason == "length" and c.completion_tokens == 150 for c in got)
+    assert [c.prompt_tokens for c in got] == [len(p) for p, _ in jobs]
+
+
+async def test_reserve_mode_never_preempts_and_holds_the_budget(model_cache: Path) -> None:
+    rng = random.Random(4)
+    jobs = [(tokens(rng.randint(20, 120), rng), SamplingParams(max_tokens=100, temperature=0.0))
+            for _ in range(12)]
+    with anyio.fail_after(240):
+        async with Scheduler(config(model_cache, memory=3_000_000, block_tokens=16)) as s:
+            peak_used = 0
+
+            async def watch() -> None:
+                nonlocal peak_used
+                while True:
+                    st = s.stats()
+                    peak_used = max(peak_used, st.blocks_used + st.blocks_cached)
+                    await anyio.sleep(0.002)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                got = await run_all(s, jobs)
+                tg.cancel_scope.cancel()
+            await assert_idle(s)
+            st = s.stats()
+    assert st.preemptions == 0 and len(got) == 12
+    assert 0 < peak_used <= st.blocks_total
+
+
+async def test_prefix_hit_gives_the_cold_output(model_cache: Path) -> None:
+    rng = random.Random(5)
+    shared = tokens(48, rng)
+    jobs = [(shared + tokens(10 + i, rng), GREEDY) for i in range(4)]
+    with anyio.fail_after(180):
+        expected = await cold(model_cache, jobs)
+        async with Scheduler(config(model_cache, block_tokens=16)) as s:
+            got = [(await s.complete(*job)).token_ids for job in jobs]  # one after another
+            st = s.stats()
+            await assert_idle(s)
+    assert got == expected
+    assert st.prefix_queries == 4
+    assert st.prefix_hit_tokens == 3 * 48  # the first computes the 3 shared blocks, 3 reuse them
+    assert st.blocks_cached > 0
+
+
+async def test_a_burst_sharing_a_prefix_computes_it_once(model_cache: Path) -> None:
+    rng = random.Random(6)
+    shared = tokens(64, rng)
+    jobs = [(shared + tokens(10, rng), GREEDY) for _ in range(8)]
+    with anyio.fail_after(180):
+        expected = await cold(model_cache, jobs)
+        async with Scheduler(config(model_cache, block_tokens=16)) as s:
+            got = await run_all(s, jobs)  # all at once: 7 wait for the first to store the prefix
+            st = s.stats()
+    assert [c.token_ids for c in got] == expected
+    assert st.prefix_hit_tokens == 7 * 64
+
+
+async def test_session_continues_without_reprefill_and_drop_frees_it(model_cache: Path) -> None:
+    rng = random.Random(7)
+    first = tokens(40, rng)
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    with anyio.fail_after(180):
+        async with Scheduler(config(model_cache, block_tokens=16, prefix_cache=False)) as s:
+            turn1 = await s.complete(first, params, session="agent-7")
+            second = first + turn1.token_ids + tokens(12, rng)
+            cached_before = s.stats().blocks_cached
+            turn2 = await s.complete(second, params, session="agent-7")
+            st = s.stats()
+            assert await s.drop_session("agent-7") is True
+            assert await s.drop_session("agent-7") is False
+            after = s.stats()
+            await assert_idle(s)
+        async with Scheduler(config(model_cache, prefix_cache=False)) as ref:
+            expected = (await ref.complete(second, params)).token_ids
+    assert cached_before > 0  # turn 1's KV was kept
+    assert st.session_hits == 1
+    assert turn2.token_ids == expected
+    # Turn 2's KV (prompt + output) replaced turn 1's; dropping it freed its blocks.
+    assert after.blocks_cached == 0 < st.blocks_cached
+
+
+async def test_books_track_mlx_memory(model_cache: Path) -> None:
+    """MLX's active memory (less the weights) against what the books hold, while busy."""
+    rng = random.Random(8)
+    jobs = [(tokens(rng.randint(50, 400), rng), SamplingParams(max_tokens=60, temperature=0.0))
+            for _ in range(24)]
+    ratios: list[float] = []
+    with anyio.fail_after(240):
+        cfg = config(model_cache, mode="on-demand", memory=8_000_000, block_tokens=32, prefix_cache=False)
+        async with Scheduler(cfg) as s:
+
+            async def watch() -> None:
+                while True:
+                    st = s.stats()
+                    if st.active_bytes and st.kv_bytes and st.running >= 4:
+                        ratios.append((st.active_bytes - st.weights_bytes) / st.kv_bytes)
+                    await anyio.sleep(0.005)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                await run_all(s, jobs)
+                tg.cancel_scope.cancel()
+    ratios.sort()
+    assert len(ratios) > 10
+    assert ratios[len(ratios) // 2] <= 1.3, ratios  # the median: books and MLX agree
