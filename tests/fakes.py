@@ -23,8 +23,11 @@ EOS = 63
 
 
 def fake_token(admit: Admit, k: int) -> int:
-    """The k-th token (0-based) the fake engine emits for `admit`: deterministic, never EOS."""
-    return (sum(admit.prompt) + 7 * k) % (VOCAB - 1)
+    """The k-th token (0-based) the fake engine emits for `admit`: deterministic, never EOS. A
+    preempted request comes back with its output appended to the prompt (`sampled` tokens) and
+    carries on where it was, like a recompute on the real engine."""
+    original = admit.prompt[: len(admit.prompt) - admit.sampled]
+    return (sum(original) + 7 * (k + admit.sampled)) % (VOCAB - 1)
 
 
 class FakeDetokenizer:

@@ -52,6 +52,9 @@ BAD_REQUESTS: list[tuple[Any, dict[str, Any], str]] = [
     ([5], {"timeout": "10"}, "timeout must be a positive number"),
     ([5], {"timeout": float("inf")}, "timeout must be a positive number"),
     ([5], {"timeout": float("nan")}, "timeout must be a positive number"),
+    ([5], {"session": ""}, "session must be None or a non-empty string"),
+    ([5], {"session": 7}, "session must be None or a non-empty string"),
+    ([5], {"session": "s" * 1000}, "session must be None or a non-empty string of at most 256"),
 ]
 
 BAD_PARAMS: list[tuple[dict[str, Any], str]] = [
@@ -110,6 +113,10 @@ BAD_CONFIGS: list[tuple[str, str]] = [
     ('[kvpool]\nmemory = "0GiB"', "kvpool.memory: must be more than 0"),
     ('[kvpool]\nmemory = "2 parsecs"', "kvpool.memory: cannot read"),
     ("[kvpool]\nmemory = -0.5", "kvpool.memory"),
+    ('[kvpool]\nmode = "lazy"', "kvpool.mode"),
+    ("[kvpool]\nwatermark = 1.0", "kvpool.watermark"),
+    ("[kvpool]\nwatermark = -0.1", "kvpool.watermark"),
+    ('[kvpool]\nprefix_cache = "yes"', "kvpool.prefix_cache"),
     ('[logging]\nlevel = "loud"', "logging.level"),
     ('[logging]\nformat = "yaml"', "logging.format"),
     ("[cache]\nsize = 1", "cache: unknown key"),

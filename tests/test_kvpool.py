@@ -9,11 +9,13 @@ import anyio
 import pytest
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
-from scheduler.types import Completion
 from tests.test_actors import wait_idle
+from tests.test_metrics import parse, value
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+    from scheduler.types import Completion
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
@@ -74,7 +76,9 @@ async def test_preemption_loses_nothing_and_output_is_the_uninterrupted_one(mode
             got = await run_all(s, jobs)
             await assert_idle(s)
             st = s.stats()
+            samples = parse(s.metrics_text())
     assert st.preemptions > 0
+    assert value(samples, "num_preemptions_total") == st.preemptions
     assert [c.token_ids for c in got] == expected  # none lost, none repeated, same tokens
     assert all(c.finish_reason == "length" and c.completion_tokens == 150 for c in got)
     assert [c.prompt_tokens for c in got] == [len(p) for p, _ in jobs]
@@ -115,7 +119,11 @@ async def test_prefix_hit_gives_the_cold_output(model_cache: Path) -> None:
             got = [(await s.complete(*job)).token_ids for job in jobs]  # one after another
             st = s.stats()
             await assert_idle(s)
+            samples = parse(s.metrics_text())
     assert got == expected
+    assert value(samples, "prefix_cache_hits_total") == st.prefix_hit_tokens
+    assert value(samples, "prefix_cache_queries_total") == sum(len(p) for p, _ in jobs)
+    assert value(samples, "kv_cache_blocks_cached") == st.blocks_cached
     assert st.prefix_queries == 4
     assert st.prefix_hit_tokens == 3 * 48  # the first computes the 3 shared blocks, 3 reuse them
     assert st.blocks_cached > 0
@@ -145,6 +153,7 @@ async def test_session_continues_without_reprefill_and_drop_frees_it(model_cache
             cached_before = s.stats().blocks_cached
             turn2 = await s.complete(second, params, session="agent-7")
             st = s.stats()
+            assert value(parse(s.metrics_text()), "session_cache_hits_total") == 1
             assert await s.drop_session("agent-7") is True
             assert await s.drop_session("agent-7") is False
             after = s.stats()

@@ -86,6 +86,24 @@ class GaugeSource(Protocol):
     @property
     def blocks_cached(self) -> int: ...
 
+    @property
+    def blocks_padding(self) -> int: ...
+
+    @property
+    def kv_bytes(self) -> int: ...
+
+    @property
+    def kv_budget_bytes(self) -> int: ...
+
+    @property
+    def active_bytes(self) -> int: ...
+
+    @property
+    def evictions(self) -> int: ...
+
+    @property
+    def session_hits(self) -> int: ...
+
 
 class SchedulerMetrics:
     """Observer + collector. Call the observer methods from one thread (the event loop); scrape
@@ -215,9 +233,22 @@ class SchedulerMetrics:
             ("num_requests_in_engine", "Sequences the BatchGenerator holds.", stats.engine_batch),
             ("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", usage),
             ("kv_cache_blocks_total", "KV blocks in the pool.", stats.blocks_total),
-            ("kv_cache_blocks_cached", "KV blocks held by the prefix cache.", stats.blocks_cached),
+            ("kv_cache_blocks_cached", "KV blocks held by prefix blocks and session caches.",
+             stats.blocks_cached),
+            ("kv_cache_blocks_padding", "KV blocks the dense batch cache spends on padding.",
+             stats.blocks_padding),
+            ("kv_cache_bytes", "Bytes of KV the books hold (used + cached blocks).", stats.kv_bytes),
+            ("kv_cache_budget_bytes", "The KV budget: [kvpool] memory less the weights.",
+             stats.kv_budget_bytes),
+            ("mlx_active_bytes", "MLX's active memory after the last step.", stats.active_bytes),
         ):
             yield GaugeMetricFamily(f"{p}_{name}", doc, value=value)
+        for name, doc, value in (
+            ("kv_cache_evictions", "Prefix blocks and session caches evicted to make room.",
+             stats.evictions),
+            ("session_cache_hits", "Requests that continued a session's cached KV.", stats.session_hits),
+        ):
+            yield CounterMetricFamily(f"{p}_{name}", doc, value=value)
 
 
 def _labelled(name: str, doc: str, label: str, values: dict[str, int]) -> CounterMetricFamily:

@@ -117,7 +117,7 @@ class Scheduler:
             blocks = pool_blocks(self._kv_budget, c.kvpool.block_tokens, info.kv_bytes_per_token)
             if blocks < 1:
                 raise ConfigError(
-                    f"kvpool.memory: {c.kvpool.memory!r} ({memory} bytes) less the model's weights "
+                    f"kvpool.memory: {memory} bytes less the model's weights "
                     f"({info.weights_bytes} bytes) holds no block of {c.kvpool.block_tokens} tokens "
                     f"at {info.kv_bytes_per_token} bytes per token; raise it"
                 )
