@@ -65,6 +65,14 @@ def test_fcfs_is_arrival_order_and_removal_is_skipped() -> None:
     assert q.victim([item(2), item(9), item(4)], 0.0) == item(9)
 
 
+def test_fcfs_puts_a_preempted_request_back_at_the_head() -> None:
+    q = FCFS()
+    for rid in (5, 6):
+        q.push(item(rid), 0.0)
+    q.push(item(2), 0.0)  # admitted earlier, preempted, back again
+    assert [q.pop(0.0).rid for _ in range(3)] == [2, 5, 6]  # type: ignore[union-attr]
+
+
 def test_unknown_policy_lists_the_known_ones() -> None:
     with pytest.raises(ValueError, match="known policies: fcfs"):
         make_policy("lifo")

@@ -102,3 +102,10 @@ async def test_openai_client_example_against_the_server(model_cache: Path) -> No
     assert done.returncode == 0, done.stderr.decode()
     out = done.stdout.decode()
     assert "completion: " in out and re.search(r"\[\d+ prompt \+ \d+ completion tokens\]", out), out
+
+
+def test_chat_session_example_reuses_the_conversation(model_cache: Path) -> None:
+    out = run_example("chat_session.py", "--turns", "4", cache=model_cache)
+    assert "session hits: 3 of 3 follow-up turns" in out
+    rows = re.findall(r"^\s+\d+\s+\d+\s+[\d.]+ ms\s+[\d.]+ ms\s+(True|False)$", out, re.MULTILINE)
+    assert rows == ["True"] * 4, out  # the same replies with and without the session

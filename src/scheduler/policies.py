@@ -36,14 +36,19 @@ class Hooks:
 
 
 class FCFS(Hooks):
-    """First come, first served. O(1) push/pop; removal is lazy (skipped at the head)."""
+    """First come, first served. O(1) push/pop; removal is lazy (skipped at the head). A request
+    older than the head (a preempted one coming back) goes first."""
 
     def __init__(self) -> None:
         self._order: deque[int] = deque()
         self._items: dict[int, QueueItem] = {}
 
     def push(self, item: QueueItem, now: float) -> None:
-        self._order.append(item.rid)
+        head = self._head()
+        if head is not None and item.seq < self._items[head].seq:
+            self._order.appendleft(item.rid)
+        else:
+            self._order.append(item.rid)
         self._items[item.rid] = item
 
     def _head(self) -> int | None:
