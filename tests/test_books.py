@@ -587,31 +587,37 @@ TestPoolMachine.settings = STATEFUL
 
 
 # ---- dense batch cache arithmetic ----------------------------------------------------------------
-def test_dense_tokens_rounds_the_longest_row_up_and_multiplies_by_rows() -> None:
+def test_dense_tokens_is_the_longest_row_plus_one_growth_step_for_every_row() -> None:
     assert DENSE_STEP == 256
-    assert dense_tokens(1, 1) == 256
-    assert dense_tokens(3, 256) == 3 * 256
-    assert dense_tokens(2, 257) == 2 * 512
-    assert dense_tokens(4, 1000, step=100) == 4 * 1000
+    assert dense_tokens(1, 1) == 257
+    assert dense_tokens(3, 256) == 3 * 512
+    assert dense_tokens(2, 510) == 2 * 766  # measured: a 758-token buffer behind a 510-token row
+    assert dense_tokens(4, 1000, step=1) == 4 * 1000  # an engine without growth steps
     assert dense_tokens(0, 500) == dense_tokens(3, 0) == dense_tokens(-1, 5) == 0
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 64), st.integers(1, 10_000), st.integers(1, 512))
-def test_dense_tokens_is_rows_times_the_smallest_step_multiple(rows: int, longest: int, step: int) -> None:
+@given(st.integers(1, 64), st.integers(1, 10_000), st.integers(2, 512))
+def test_dense_tokens_bounds_any_buffer_the_growth_rule_makes(rows: int, longest: int, step: int) -> None:
+    """mlx-lm's rule: when a write of one token passes the buffer's end, the buffer becomes
+    (tokens so far) + step. Whatever the history, the buffer is below longest + step."""
     total = dense_tokens(rows, longest, step)
     assert total % rows == 0
     per_row = total // rows
-    assert per_row % step == 0 and longest <= per_row < longest + step
+    buffer = 0
+    for written in range(1, longest + 1):
+        if written > buffer:
+            buffer = written - 1 + step
+    assert longest <= buffer < per_row
 
 
 def test_padding_blocks_charges_the_dense_cache_beyond_the_rows_own_blocks() -> None:
     lengths = [10, 300]
     own = blocks_for(10, 16) + blocks_for(300, 16)  # 1 + 19
-    assert padding_blocks(lengths, own, 16) == 2 * 512 // 16 - own == 44
+    assert padding_blocks(lengths, own, 16) == blocks_for(2 * 556, 16) - own == 50
     assert padding_blocks([], 0, 16) == 0
-    assert padding_blocks([256, 256], 32, 16) == 0  # no padding when the rows fill the buffer
-    assert padding_blocks(iter([100]), 0, 16) == 16  # any iterable, consumed once
+    assert padding_blocks([256, 256], 64, 16) == 0  # no padding when the rows hold it all
+    assert padding_blocks(iter([100]), 0, 16) == 23  # any iterable, consumed once
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,9 +1,11 @@
 """What mlx-lm's dense, left-padded batch cache really costs.
 
-`BatchGenerator` keeps one `BatchKVCache` of shape `[rows, kv_heads, T, head_dim]` per layer,
-where `T` is the longest row (rows are right-aligned, shorter ones left-padded) and the buffer
-grows in steps of `DENSE_STEP` tokens. So the batch costs about rows x longest, not the sum of
-the rows' lengths; the books charge the difference to the `PADDING` holder.
+`BatchGenerator` keeps one `BatchKVCache` of shape `[rows, kv_heads, T, head_dim]` per layer.
+Rows are right-aligned to the longest (shorter ones left-padded), and the buffer grows by
+`DENSE_STEP` tokens when the longest row reaches its end; it shrinks only by the padding every
+row shares. So `T` is at most the longest row plus `DENSE_STEP` (measured: buffers 248 tokens
+past a 510-token row), and the batch costs rows x T, not the sum of the rows' lengths; the books
+charge the difference to the `PADDING` holder.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ DENSE_STEP = 256
 
 
 def dense_tokens(rows: int, longest: int, step: int = DENSE_STEP) -> int:
-    """Token slots of a dense batch cache holding `rows` rows whose longest is `longest`."""
+    """Token slots a dense batch cache of `rows` rows, the longest `longest` tokens, may hold:
+    the longest row plus the slack of one growth step, for every row."""
     if rows <= 0 or longest <= 0:
         return 0
-    return rows * (-(-longest // step) * step)
+    return rows * (longest + step) if step > 1 else rows * longest
 
 
 def padding_blocks(lengths: Iterable[int], held: int, block_tokens: int, step: int = DENSE_STEP) -> int:

@@ -265,9 +265,8 @@ class Admission:
         if live.keys is None:
             live.keys = prompt_keys(prompt, plan.block_tokens) if self._prefix_cache else []
         session = live.submit.session if live.preemptions == 0 else None
-        reply = await self._pool.call(
-            Reserve(rid, blocks, live.keys, session, padding, keep_free=plan.keep_free)
-        )
+        keep_free = plan.keep_free if self._rows else 0  # room for others to grow into
+        reply = await self._pool.call(Reserve(rid, blocks, live.keys, session, padding, keep_free))
         if isinstance(reply, Denied):
             return None
         assert isinstance(reply, Granted)
