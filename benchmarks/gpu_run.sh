@@ -1,23 +1,54 @@
 #!/usr/bin/env bash
 # The GPU figures (issue 8): run on the device machine after ../shared/gpu/stage's two calls.
-#   bash .gpu-b/install.sh && . /tmp/gpu-env.sh && bash benchmarks/gpu_run.sh [models...]
+#   bash .gpu-b/install.sh && . /tmp/gpu-env.sh && bash benchmarks/gpu_run.sh [stage...]
+# Stages (default: decode overhead peers-low peers-high), each for every model in $MODELS:
+#   decode      benchmarks/decode_step.py --profile (llama-3.2-1b only: the issue's shape)
+#   overhead    benchmarks/overhead.py at $CONCURRENCY (1 8 32 64 128 256), warmed up
+#   peers-low   benchmarks/peers.py, all four backends at 1 8 32
+#   peers-high  benchmarks/peers.py at 64 128 256, without sequential stream_generate (it would
+#               take minutes per level: one request at a time)
+#   attribute   benchmarks/overhead.py --attribute at 64: where our time per step goes, and the
+#               ratio without the lag ticker (not a default stage)
 # Writes JSON and a log under $OUT (or benchmarks/results/gpu).
 set -uo pipefail
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 exec > >(tee -a "$out/log.txt") 2>&1
 export MLX_SCHEDULER_CACHE=${MLX_SCHEDULER_CACHE:-/tmp/mlx-scheduler-cache}
-export PYTHONUNBUFFERED=1
-limit=${LIMIT_S:-240}
+export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error PYTHONPATH=${PYTHONPATH:-src}:.
+limit=${LIMIT_S:-400}
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(decode overhead peers-low peers-high)
+read -r -a models <<< "${MODELS:-qwen2.5-0.5b llama-3.2-1b}"
+date -u +"%F %T UTC"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c 'import mlx.core as mx, mlx_lm; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, mx.default_device(), mx.device_info().get("device_name"))'
-models=("$@")
-[ ${#models[@]} -gt 0 ] || models=(qwen2.5-0.5b llama-3.2-1b)
+python3 -c 'import sys, mlx.core as mx, mlx_lm, transformers; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, "transformers", transformers.__version__, "python", sys.version.split()[0], mx.default_device(), mx.device_info().get("device_name"))'
 for m in "${models[@]}"; do
   echo "=== $(date +%T) build synthetic:$m"
   timeout "$limit" python3 -c "import time; t=time.time(); from workers.models import resolve_model; print(resolve_model('synthetic:$m'), round(time.time()-t,1), 's')"
-  echo "=== $(date +%T) overhead synthetic:$m"
-  timeout "$limit" python3 benchmarks/overhead.py --model "synthetic:$m" --concurrency ${CONCURRENCY:-1 8 32 64 128 256} \
-    --prompt-tokens 128 --max-tokens 64 --waves ${WAVES:-2} --out "$out/overhead-$m.json"
-  echo "=== $(date +%T) done synthetic:$m rc=$?"
+done
+for s in "${stages[@]}"; do
+  for m in "${models[@]}"; do
+    echo "=== $(date +%T) $s synthetic:$m"
+    case $s in
+      decode)
+        [ "$m" = llama-3.2-1b ] || continue
+        timeout "$limit" python3 -P benchmarks/decode_step.py --model "synthetic:$m" --profile \
+          --batches ${BATCHES:-1 8 64} --out "$out/decode-$m.json" ;;
+      overhead)
+        timeout "$limit" python3 -P benchmarks/overhead.py --model "synthetic:$m" --concurrency ${CONCURRENCY:-1 8 32 64 128 256} \
+          --prompt-tokens 128 --max-tokens 64 --waves ${WAVES:-2} --warmup 1 --out "$out/overhead-$m.json" ;;
+      peers-low)
+        timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency 1 8 32 --warmup 1 \
+          --backends bare scheduler mlx_lm.server sequential --out "$out/peers-low-$m.json" ;;
+      peers-high)
+        timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency 64 128 256 --warmup 1 \
+          --backends bare scheduler mlx_lm.server --out "$out/peers-high-$m.json" ;;
+      attribute)
+        timeout "$limit" python3 -P benchmarks/overhead.py --model "synthetic:$m" --concurrency 64 \
+          --prompt-tokens 128 --max-tokens 64 --waves 4 --warmup 1 --attribute --out "$out/attribute-$m.json" ;;
+      *) echo "unknown stage $s" ;;
+    esac
+    echo "=== $(date +%T) done $s synthetic:$m rc=$?"
+  done
 done

@@ -28,7 +28,7 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def bare_loop(model: object, prompts: list[list[int]], concurrency: int, max_tokens: int,
-              prefill_batch: int, prefill_step: int) -> tuple[int, float]:
+              prefill_batch: int, prefill_step: int, steps: list[int] | None = None) -> tuple[int, float]:
     """A tight loop over BatchGenerator keeping `concurrency` sequences in flight."""
     from mlx_lm.generate import BatchGenerator
 
@@ -42,8 +42,10 @@ def bare_loop(model: object, prompts: list[list[int]], concurrency: int, max_tok
     while todo and active < concurrency:
         gen.insert([todo.pop()], max_tokens=[max_tokens])
         active += 1
+    n_steps = 0
     while active:
         _, responses = gen.next()
+        n_steps += 1
         tokens += len(responses)
         for r in responses:
             if r.finish_reason is not None:
@@ -53,14 +55,20 @@ def bare_loop(model: object, prompts: list[list[int]], concurrency: int, max_tok
                     active += 1
     elapsed = time.perf_counter() - start
     gen.close()
+    if steps is not None:
+        steps.append(n_steps)
     return tokens, elapsed
 
 
 async def scheduler_run(config: SchedulerConfig, prompts: list[list[int]], concurrency: int,
-                        max_tokens: int) -> tuple[int, float, list[float]]:
+                        max_tokens: int, ticker: bool = True,
+                        where: dict[str, float] | None = None) -> tuple[int, float, list[float]]:
+    """Our side. `where`, if given, receives the time per step: steps, the worker's step (ms),
+    and the event loop's CPU time (ms), to attribute a gap to the bare loop."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     lags: list[float] = []
     async with Scheduler(config) as sched:
+        cpu0 = time.thread_time()  # this coroutine runs on the event loop's thread
         todo = list(prompts)
         tokens = 0
 
@@ -70,7 +78,7 @@ async def scheduler_run(config: SchedulerConfig, prompts: list[list[int]], concu
                 done = await sched.complete(todo.pop(), params)
                 tokens += done.completion_tokens
 
-        async def ticker() -> None:
+        async def tick() -> None:
             while True:
                 t = time.perf_counter()
                 await anyio.sleep(0.001)
@@ -78,12 +86,19 @@ async def scheduler_run(config: SchedulerConfig, prompts: list[list[int]], concu
 
         start = time.perf_counter()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
+            if ticker:
+                tg.start_soon(tick)
             async with anyio.create_task_group() as clients:
                 for _ in range(concurrency):
                     clients.start_soon(client)
             elapsed = time.perf_counter() - start
             tg.cancel_scope.cancel()
+        if where is not None:
+            steps = max(1, sched.stats().steps)
+            hist = sched.metrics.step_seconds
+            where.update(steps=steps, step_ms=elapsed / steps * 1e3,
+                         worker_step_ms=hist.total / max(1, hist.count) * 1e3,
+                         loop_cpu_ms=(time.thread_time() - cpu0) / steps * 1e3)
     return tokens, elapsed, lags
 
 
@@ -96,8 +111,14 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=3, help="requests per level = waves x concurrency")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=2, help="interleaved runs per side; the best counts")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed runs per side and level first (one wave of other prompts): kernel "
+                         "compilation and warm-up must not land on whichever side runs first")
     ap.add_argument("--budget", default="0",
                     help='[worker] step_token_budget for our side: 0 (as the bare loop), "auto" or tokens')
+    ap.add_argument("--attribute", action="store_true",
+                    help="also time steps: bare ms/step against ours (worker step, event-loop CPU "
+                         "per step), and a run of ours without the 1 ms lag ticker")
     ap.add_argument("--out", default="benchmarks/results/overhead.json")
     args = ap.parse_args()
     configure_logging(level="warning")
@@ -118,6 +139,10 @@ def main() -> None:
             f'[kvpool]\nmemory = "8GiB"\n'
         )
         w = config.worker
+        warm = make_prompts(max(n, 8), args.prompt_tokens, info.vocab_size, args.seed + n + 10**6)
+        for _ in range(args.warmup):
+            bare_loop(model, warm, n, args.max_tokens, w.prefill_batch, w.prefill_step)
+            anyio.run(scheduler_run, config, warm, n, args.max_tokens)
         bare_runs, ours_runs, lags = [], [], []
         for _ in range(args.repeat):  # interleaved, best of each: drift and warm-up hit both sides
             bare_tokens, bare_s = bare_loop(model, prompts, n, args.max_tokens, w.prefill_batch, w.prefill_step)
@@ -137,6 +162,20 @@ def main() -> None:
             "loop_lag_p50_ms": percentile(lags, 50) * 1e3,
             "loop_lag_p99_ms": percentile(lags, 99) * 1e3,
         }
+        if args.attribute:
+            bare_steps: list[int] = []
+            _, bare_s = bare_loop(model, prompts, n, args.max_tokens, w.prefill_batch, w.prefill_step,
+                                  bare_steps)
+            where: dict[str, float] = {}
+            quiet_tokens, quiet_s, _ = anyio.run(scheduler_run, config, prompts, n, args.max_tokens,
+                                                 False, where)
+            row["attribution"] = {
+                "bare_steps": bare_steps[0], "bare_step_ms": bare_s / bare_steps[0] * 1e3,
+                "sched_no_ticker_tok_s": quiet_tokens / quiet_s,
+                "ratio_no_ticker": quiet_tokens / quiet_s / max(bare_runs),
+                **{f"sched_{k}": v for k, v in where.items()},
+            }
+            print(f"  c={n:<4d} attribution: {row['attribution']}", flush=True)
         rows.append(row)
         print(f"  c={n:<4d} bare {row['bare_tok_s']:8.1f} tok/s  sched {row['sched_tok_s']:8.1f} tok/s  "
               f"ratio {row['ratio']:.3f}  loop lag p99 {row['loop_lag_p99_ms']:.2f} ms", flush=True)
@@ -149,7 +188,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "model": args.model, "step_token_budget": args.budget, "repeat": args.repeat, "waves": args.waves, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "model": args.model, "step_token_budget": args.budget, "repeat": args.repeat, "warmup": args.warmup, "waves": args.waves, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
         "device": str(mx.default_device()), "mlx": mx.__version__, "python": sys.version.split()[0],
         "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
     }

@@ -149,17 +149,28 @@ async def through_http(url: str, specs: list[datasets.RequestSpec], n: int) -> R
 
 
 def run_backend(backend: str, model: object, tokenizer: object, model_dir: Path,
-                specs: list[datasets.RequestSpec], ids: list[list[int]], n: int, max_tokens: int) -> Report:
+                specs: list[datasets.RequestSpec], ids: list[list[int]], n: int, max_tokens: int,
+                warm: tuple[list[datasets.RequestSpec], list[list[int]]] | None = None) -> Report:
+    """One timed run; `warm` (other prompts) first runs untimed through the same backend (for
+    mlx_lm.server, in the same server process), so that kernel compilation is not timed."""
     if backend == "bare":
+        if warm:
+            bare(model, warm[1], n, max_tokens)
         run = bare(model, ids, n, max_tokens)
     elif backend.startswith("scheduler"):
         # "scheduler:key=value,..." sets [worker] keys, e.g. scheduler:step_token_budget=0
         worker = "\n".join(kv.replace("=", " = ") for kv in backend.partition(":")[2].split(",") if kv)
+        if warm:
+            anyio.run(through_scheduler, model_dir, warm[0], n, worker)
         run = anyio.run(through_scheduler, model_dir, specs, n, worker)
     elif backend == "mlx_lm.server":
         with MlxLmServer(model_dir, decode_concurrency=n, prompt_concurrency=8) as server:
+            if warm:
+                anyio.run(through_http, server.url, warm[0], n)
             run = anyio.run(through_http, server.url, specs, n)
     else:
+        if warm:  # one request at a time: two warm it up
+            sequential(model, tokenizer, warm[1][:2], n, max_tokens)
         run = sequential(model, tokenizer, ids, n, max_tokens)
     return build_report(run, label=backend, target=backend, slos_ms={})
 
@@ -187,7 +198,7 @@ def print_table(rows: list[dict[str, object]]) -> None:
     peer = {r["concurrency"]: r for r in rows if r["backend"] == "mlx_lm.server"}
     for ours in (r for r in rows if str(r["backend"]).startswith("scheduler")):
         other = peer.get(ours["concurrency"])
-        if other is not None:
+        if other is not None and float(other["tok_s"]) > 0:
             print(f"c={ours['concurrency']}: {ours['backend']} / mlx_lm.server: throughput "
                   f"x{float(ours['tok_s']) / float(other['tok_s']):.2f}, p99 TTFT "
                   f"x{float(ours['ttft_p99_ms']) / float(other['ttft_p99_ms']):.2f} (lower is better)")
@@ -234,6 +245,9 @@ def main() -> None:
                     help="runs of each backend, interleaved; the table keeps each one's best (noisy hosts)")
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS),
                     help=f"of {', '.join(BACKENDS)}; 'scheduler:KEY=VALUE,...' sets [worker] keys")
+    ap.add_argument("--warmup", type=int, default=1, choices=(0, 1),
+                    help="1: before a level's first timed run of each backend (and before every "
+                         "mlx_lm.server run, a fresh process), one untimed wave of other prompts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/peers.json")
     args = ap.parse_args()
@@ -253,6 +267,9 @@ def main() -> None:
     for n in args.concurrency:
         count = max(8, args.waves * n)
         best: dict[str, dict[str, object]] = {}
+        warm_specs = datasets.build("random", maker, num_prompts=max(8, n), input_len=args.prompt_tokens,
+                                    output_len=args.max_tokens, seed=args.seed + n + 10**6)
+        warm = (warm_specs, [codec.encode(s.prompt) for s in warm_specs])
         for rep in range(args.repeat):
             # Fresh prompts each repetition, so no server-side prompt cache can help a repeat.
             specs = datasets.build("random", maker, num_prompts=count, input_len=args.prompt_tokens,
@@ -260,7 +277,9 @@ def main() -> None:
             assert all(s.prompt_tokens == args.prompt_tokens for s in specs), "prompt lengths differ"
             ids = [codec.encode(s.prompt) for s in specs]
             for backend in args.backends:
-                report = run_backend(backend, model, tokenizer, model_dir, specs, ids, n, args.max_tokens)
+                cold = args.warmup and (rep == 0 or backend == "mlx_lm.server")
+                report = run_backend(backend, model, tokenizer, model_dir, specs, ids, n, args.max_tokens,
+                                     warm if cold else None)
                 ceiling = best["bare"]["tok_s"] if "bare" in best else None
                 r = row(backend, n, report, ceiling)
                 r["repeat"] = rep
@@ -284,7 +303,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "model": args.model, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-        "waves": args.waves, "repeat": args.repeat, "device": str(mx.default_device()), "mlx": mx.__version__,
+        "waves": args.waves, "repeat": args.repeat, "warmup": args.warmup, "device": str(mx.default_device()), "mlx": mx.__version__,
         "python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count(),
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "date": time.strftime("%Y-%m-%d"),
     }

@@ -1,4 +1,7 @@
-"""A faster decode step for mlx-lm's `BatchGenerator`: the model's forward pass compiled.
+"""An experiment (off): mlx-lm's `BatchGenerator` decoding through a compiled forward pass.
+
+Not output-identical on CUDA and not faster at batch 64 (see `install_fast_decode`); kept so that
+`benchmarks/decode_step.py` can reproduce the measurement.
 
 A decode step of a small model on a GPU is bound by the host, not by the GPU: mlx-lm builds the
 forward graph in Python (hundreds of array operations a step) and MLX then encodes every one of
@@ -107,13 +110,16 @@ class FastDecodeModel:
 def install_fast_decode(gen: Any, *, force: bool = False) -> bool:
     """Make `gen` (an mlx-lm `BatchGenerator`) decode through compiled forward passes.
 
-    Returns False, changing nothing, where it does not apply: an architecture not in
-    `SUPPORTED_MODEL_TYPES`, a generator without the decode batch of mlx-lm 0.32, or a backend on
-    which identical greedy output was not verified (only CUDA so far; the CPU backend would JIT
-    C++ for every fused kernel). `force=True` installs it on any backend, for
-    `benchmarks/decode_step.py`, which checks the output token for token. Call it again after
-    replacing the generator.
+    EXPERIMENTAL, OFF: it returns False and changes nothing unless `force=True`. Measured on an
+    H100 (benchmarks/decode_step.py, llama-3.2-1b shape), greedy output is NOT identical to the
+    stock step (first difference after 45-127 tokens: on CUDA an attention with a mask array runs
+    as matmul + softmax + matmul, and over the whole buffer these reduce in another order), and the
+    step is only 1.1x faster at batch 1 and 8, 0.9x at 64. `force=True` installs it, for that
+    benchmark, on any backend. Also False for an architecture not in `SUPPORTED_MODEL_TYPES` or a
+    generator without the decode batch of mlx-lm 0.32.
     """
+    if not force:
+        return False
     batch = getattr(gen, "_generation_batch", None)
     model = getattr(gen, "model", None)
     if batch is None or model is None or not hasattr(batch, "model"):
@@ -121,8 +127,6 @@ def install_fast_decode(gen: Any, *, force: bool = False) -> bool:
     if getattr(model, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return False
     if getattr(getattr(model, "args", None), "sliding_window", None) is not None:
-        return False
-    if not force and not (mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()):
         return False
     if isinstance(batch.model, FastDecodeModel):
         return True
