@@ -1,4 +1,4 @@
-"""Smoke test of `benchmarks/kvpool.py --quick`: it runs, and its checks hold (no figures)."""
+"""Smoke test of `benchmarks/kv_pool.py --quick`: it runs, and its checks hold (no figures)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 if TYPE_CHECKING:
     from types import ModuleType
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "kvpool.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "kv_pool.py"
 
 
 def load_script() -> ModuleType:

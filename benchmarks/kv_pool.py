@@ -18,7 +18,7 @@ setting under test; a table, JSON (`--out`) and a PNG with a panel per part (`--
     tokens; greedy, `--c-max-tokens`) with `session=` on every turn, without it, and without it
     and without the prefix cache: per-turn TTFT, identical outputs, session hits.
 
-    python benchmarks/kvpool.py [--model synthetic:small] [--parts a,b,c] [--quick]
+    python benchmarks/kv_pool.py [--model synthetic:small] [--parts a,b,c] [--quick]
 """
 
 from __future__ import annotations
@@ -26,21 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# This script shares its name with the `kvpool` package: run as a script, its own folder comes
-# first on sys.path and would shadow the package, so it leaves.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import anyio
 
-import anyio  # noqa: E402
-
-from metrics import configure_logging, summarize  # noqa: E402
-from scheduler import SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
+from metrics import configure_logging, summarize
+from scheduler import SamplingParams, Scheduler, SchedulerConfig
 
 
 # ---- one request, seen from the client -------------------------------------------------------
