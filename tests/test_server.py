@@ -120,6 +120,25 @@ async def test_sampling_fields_reach_the_scheduler(model_cache: Path) -> None:
     assert default["usage"]["completion_tokens"] == 16  # OpenAI's default for /v1/completions
 
 
+async def test_a_chat_session_continues_the_conversations_kv(model_cache: Path) -> None:
+    greedy = {"max_tokens": 8, "temperature": 0}
+    with anyio.fail_after(60):
+        async with served(model_cache) as (s, client):
+            messages = [{"role": "user", "content": "Say hello " * 20}]
+            first = await client.post("/v1/chat/completions",
+                                      json={"messages": messages, "session": "chat-9", **greedy})
+            assert first.status_code == 200, first.text
+            messages.append({"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]})
+            messages.append({"role": "user", "content": "And again"})
+            second = await client.post("/v1/chat/completions",
+                                       json={"messages": messages, "session": "chat-9", **greedy})
+            assert second.status_code == 200, second.text
+            assert s.stats().session_hits == 1
+            bad = await client.post("/v1/chat/completions", json={"messages": messages, "session": ""})
+            assert bad.status_code == 400 and "session" in bad.text
+            assert await s.drop_session("chat-9") is True
+
+
 async def test_models_health_and_metrics(model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with anyio.fail_after(30):
         async with served(model_cache) as (s, c):

@@ -151,7 +151,7 @@ class _OpenAI:
         sched, head = self.sched, rs.Head(rid, int(time.time()), self.model_name)
         params = rq.sampling(req, req.max_tokens, DEFAULT_MAX_TOKENS)
         stream = sched.generate(rq.completion_prompt(req), params, priority=req.priority,
-                                tenant=rq.tenant(req))
+                                tenant=rq.tenant(req), session=req.session)
         if req.stream:
             return await _event_stream(request, rid, stream, rs.CompletionEvents(head, _usage(req)))
         text, last = await _whole(request, rid, stream)
@@ -166,7 +166,8 @@ class _OpenAI:
         room = sched.model.info.context_length - len(ids)
         default = min(DEFAULT_CHAT_MAX_TOKENS, room) if room > 0 else DEFAULT_CHAT_MAX_TOKENS
         params = rq.sampling(req, max_tokens, default)
-        stream = sched.generate(ids, params, priority=req.priority, tenant=rq.tenant(req))
+        stream = sched.generate(ids, params, priority=req.priority, tenant=rq.tenant(req),
+                                session=req.session)
         if req.stream:
             return await _event_stream(request, rid, stream, rs.ChatEvents(head, _usage(req)))
         text, last = await _whole(request, rid, stream)

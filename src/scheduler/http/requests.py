@@ -38,8 +38,10 @@ class _Request(msgspec.Struct, kw_only=True, frozen=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    # Extensions: scheduling priority (lower first, as in vLLM); sampler knobs mlx_lm.server takes.
+    # Extensions: scheduling priority (lower first, as in vLLM); a session whose KV the next turn
+    # continues; sampler knobs mlx_lm.server takes.
     priority: int = 0
+    session: str | None = None
     top_k: int | None = None
     min_p: float | None = None
     ignore_eos: bool | None = None
@@ -109,6 +111,8 @@ def check_common(req: _Request) -> None:
         raise invalid("logit_bias is not supported", "logit_bias")
     if req.user is not None and len(req.user) > MAX_USER_CHARS:
         raise invalid(f"user must have at most {MAX_USER_CHARS} characters", "user")
+    if req.session is not None and not 0 < len(req.session) <= MAX_USER_CHARS:
+        raise invalid(f"session must have 1 to {MAX_USER_CHARS} characters", "session")
 
 
 def check_completion(req: CompletionRequest) -> None:
