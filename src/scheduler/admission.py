@@ -16,12 +16,10 @@ import anyio
 import msgspec
 import structlog
 
-from kvpool.books import PADDING
-from kvpool.messages import Cache, Cached, Denied, Drop, Granted, Release, Reserve, Resize, Unpin
 from scheduler.dispatcher import Codec, TextStream
 from scheduler.errors import InvalidRequest, QueueFull, SchedulerClosed, SchedulerError
-from scheduler.kvplan import KVPlan, prompt_keys
 from scheduler.live import Counters, Live
+from scheduler.memory import Memory
 from scheduler.messages import Cancel, Close, DropSession, SubmitEnvelope
 from scheduler.policy import Policy, QueueItem
 from scheduler.types import Chunk, FinishReason, Timings
@@ -29,7 +27,6 @@ from workers.messages import (
     Abort,
     Admit,
     Evict,
-    Key,
     SamplingSpec,
     StepOutput,
     WorkerEvent,
@@ -40,7 +37,9 @@ if TYPE_CHECKING:
     from anyio.abc import TaskStatus
     from anyio.streams.memory import MemoryObjectReceiveStream
 
+    from kvpool.messages import Granted
     from kvpool.pool import Pool
+    from scheduler.kvplan import KVPlan
 from metrics.observer import NullObserver, Observer
 
 log = structlog.get_logger("scheduler")
@@ -70,12 +69,10 @@ class Admission:
     ) -> None:
         self._policy = policy
         self._obs: Observer = observer or NullObserver()
-        self._pool = pool
         self._to_worker = send_to_worker
         self._codec = codec
         self._eos = eos_token_ids
         self._plan = plan
-        self._prefix_cache = prefix_cache
         self._max_batch = max_batch
         self._max_queue = max_queue
         # Unbounded on purpose: every Submit is answered at once (so at most one per caller waits
@@ -85,16 +82,14 @@ class Admission:
         self._live: dict[int, Live] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._next_rid = 0
-        self._rows: dict[int, Live] = {}
-        """Requests the worker holds (admitted, not yet confirmed dropped)."""
-        self._held = 0
-        """Blocks the rows hold (the padding is separate)."""
-        self._padding = 0
-        self._freeing = 0
-        """Blocks that preempted rows will return once the worker confirms."""
         self._closed: str | None = None
         self._drain_until: float | None = None
         self.counters = Counters()
+        self._memory = Memory(
+            pool=pool, plan=plan, prefix_cache=prefix_cache, evict=send_to_worker,
+            counters=self.counters, observer=self._obs,
+        )
+        self._rows = self._memory.rows
 
     # ---- views ---------------------------------------------------------------------------
     @property
@@ -152,12 +147,9 @@ class Admission:
             case Cancel(rid):
                 await self._cancel(rid, "cancelled")
             case DropSession(session, reply):
-                dropped = await self._pool.call(Drop(session))
-                assert isinstance(dropped, Cached)
-                if dropped.ok:
-                    self._to_worker(Evict([session]))
+                dropped = await self._memory.drop(session)
                 with reply:
-                    reply.send_nowait(dropped.ok)
+                    reply.send_nowait(dropped)
             case StepOutput():
                 await self._on_step(msg)
             case WorkerFailed(message, lost, restarted, held):
@@ -236,68 +228,39 @@ class Admission:
             if item is None:
                 return
             live = self._live[item.rid]
-            admit = await self._reserve(live)
-            if admit is None:
+            granted = await self._memory.reserve(live)
+            if granted is None:
                 return  # head-of-line waits for memory (or for its prefix being computed)
             popped = policy.pop(now)
             assert popped is item, "policy.pop() must return what peek() returned"
-            self._rows[item.rid] = live
             live.running = True
             policy.on_admitted(item, now)
             if live.admitted_at is None:
                 live.admitted_at = time.perf_counter()
                 self._obs.admitted(live.admitted_at - live.submit.submitted_at)
+            admit = self._admit_message(live, granted)
             self._to_worker(admit)
             log.debug("request_admitted", request_id=item.rid, tenant=item.tenant, blocks=live.blocks,
                       prefix_blocks=len(admit.prefix), session=admit.resume or None)
 
-    async def _reserve(self, live: Live) -> Admit | None:
-        """Reserve `live`'s blocks (and the padding its row adds); the Admit to send, or None."""
-        plan, rid = self._plan, live.item.rid
+    def _admit_message(self, live: Live, granted: Granted) -> Admit:
+        """What the worker needs to run `live`, as its row holds now (after a preemption: the
+        prompt with what it generated, and the tokens still to come)."""
         params = live.submit.params
-        prompt = live.prompt
-        remaining = params.max_tokens - live.completion_tokens
-        blocks = plan.at_admission(len(prompt), remaining)
-        length, final = len(prompt), len(prompt) + remaining
-        rows = [plan.row(r.length, r.final) for r in self._rows.values()]
-        rows.append(plan.row(length, final))
-        padding = plan.padding(rows, self._held + blocks)
-        if live.keys is None:
-            live.keys = prompt_keys(prompt, plan.block_tokens) if self._prefix_cache else []
-        session = live.submit.session if live.preemptions == 0 else None
-        keep_free = plan.keep_free if self._rows else 0  # room for others to grow into
-        reply = await self._pool.call(Reserve(rid, blocks, live.keys, session, padding, keep_free))
-        if isinstance(reply, Denied):
-            return None
-        assert isinstance(reply, Granted)
-        if reply.evicted:
-            self._to_worker(Evict(reply.evicted))
-        live.blocks, live.length, live.final = reply.blocks, length, final
-        self._held += reply.blocks
-        self._padding = padding
-        hits = reply.prefix_hits
-        live.pinned = hits > 0
-        c = self.counters
-        if reply.session_tokens:
-            c.session_hits += 1
-        if self._prefix_cache and not reply.session_tokens:
-            c.prefix_queries += 1
-            c.prefix_query_tokens += len(prompt)
-            c.prefix_hit_tokens += hits * plan.block_tokens
-            self._obs.prefix_query(hits * plan.block_tokens, len(prompt))
         stops = tuple(params.stop_token_ids) + (() if params.ignore_eos else self._eos)
+        keys, hits = live.keys or [], granted.prefix_hits
         return Admit(
-            rid=rid,
-            prompt=prompt,
-            max_tokens=remaining,
+            rid=live.item.rid,
+            prompt=live.prompt,
+            max_tokens=params.max_tokens - live.completion_tokens,
             sampling=SamplingSpec(
                 params.temperature, params.top_p, params.top_k, params.min_p, params.seed
             ),
             stop_token_ids=tuple(dict.fromkeys(stops)),
-            prefix=live.keys[:hits],
-            store=live.keys[hits:],
+            prefix=keys[:hits],
+            store=keys[hits:],
             session=live.submit.session,
-            resume=reply.session_tokens > 0,
+            resume=granted.session_tokens > 0,
             sampled=live.completion_tokens,
         )
 
@@ -310,7 +273,7 @@ class Admission:
         for rid in out.aborted:
             await self._dropped_by_worker(rid)
         for key, size in reversed(out.stored):  # a chain leaf first: its root stays longest
-            await self._cache(key, size)
+            await self._memory.cache(key, size)
         live_map = self._live
         touched: list[Live] = []
         for rid, token in zip(out.rids, out.tokens, strict=True):
@@ -353,57 +316,24 @@ class Admission:
                 continue
             ending: FinishReason = "length" if reason == "length" else "stop"
             await self._dropped_by_worker(rid, ending=ending)
-        for rid in unpin:
-            await self._pool.call(Unpin(rid))
+        await self._memory.unpin(unpin)
         if touched and self._plan.mode == "on-demand":
-            await self._grow(touched)
+            short = await self._memory.grow(touched)
+            if short is not None:
+                self._preempt(short)
 
-    # ---- memory: growth, preemption, caches ---------------------------------------------------
-    def _target_padding(self, held: int) -> int:
-        plan = self._plan
-        return plan.padding((plan.row(r.length, r.final) for r in self._rows.values()), held)
-
-    async def _grow(self, touched: list[Live]) -> None:
-        """On demand: give each row that crossed a block boundary its next block, and the dense
-        cache the padding it now needs; when the pool is out of blocks, preempt."""
-        plan = self._plan
-        for live in touched:
-            need = plan.blocks(live.length)
-            if need <= live.blocks or live.item.rid not in self._rows or live.preempting or live.ended:
-                continue
-            padding = self._target_padding(self._held + need - live.blocks)
-            reply = await self._pool.call(Resize(live.item.rid, need, padding))
-            if isinstance(reply, Denied):
-                self._preempt(live)
-                return
-            assert isinstance(reply, Granted)
-            if reply.evicted:
-                self._to_worker(Evict(reply.evicted))
-            self._held += need - live.blocks
-            live.blocks, self._padding = need, padding
-        padding = self._target_padding(self._held)
-        if padding != self._padding:
-            reply = await self._pool.call(Resize(PADDING, padding))
-            if isinstance(reply, Denied):
-                self._preempt(touched[0])
-                return
-            assert isinstance(reply, Granted)
-            if reply.evicted:
-                self._to_worker(Evict(reply.evicted))
-            self._padding = padding
-
+    # ---- preemption ---------------------------------------------------------------------------
     def _preempt(self, short: Live) -> None:
         """Free memory for `short`: ask the worker to drop the policy's victim, unless blocks are
         already on their way back (then wait for them and try again)."""
-        if self._freeing > 0:
+        if self._memory.freeing > 0:
             return
         candidates = [r.item for r in self._rows.values() if not r.preempting and not r.ended]
         victim_item = self._policy.victim(candidates, anyio.current_time())
         victim = self._rows.get(victim_item.rid) if victim_item is not None else None
         if victim is None or victim.preempting or victim.ended:
             victim = short
-        victim.preempting = True
-        self._freeing += victim.blocks
+        self._memory.preempting(victim)
         self._to_worker(Abort([victim.item.rid]))
         log.info("request_preempted", request_id=victim.item.rid, tenant=victim.item.tenant,
                  blocks=victim.blocks, generated=victim.completion_tokens)
@@ -424,27 +354,6 @@ class Admission:
         self.counters.preemptions += 1
         self._obs.preempted()
 
-    async def _cache(self, key: Key, tokens: int) -> None:
-        """The worker stored KV under `key`: put it in the books, or tell the worker to drop it."""
-        reply = await self._pool.call(Cache(key, self._plan.blocks(tokens), tokens))
-        assert isinstance(reply, Cached)
-        drop = list(reply.evicted) + ([] if reply.ok else [key])
-        if drop:
-            self._to_worker(Evict(drop))
-
-    async def _release(self, live: Live) -> None:
-        """`live`'s row is gone from the batch: return its blocks and shrink the padding."""
-        rid = live.item.rid
-        live.running = False
-        del self._rows[rid]
-        self._held -= live.blocks
-        if live.preempting:
-            self._freeing -= live.blocks
-            live.preempting = False
-        live.blocks = 0
-        self._padding = min(self._padding, self._target_padding(self._held))
-        await self._pool.call(Release(rid, self._padding))
-
     async def _dropped_by_worker(
         self, rid: int, *, ending: FinishReason | None = None, error: str | None = None
     ) -> None:
@@ -454,7 +363,7 @@ class Admission:
         if live is None or not live.running:
             return
         preempted = live.preempting
-        await self._release(live)
+        await self._memory.release(live)
         if preempted and not live.ended and ending is None and error is None:
             self._requeue(live)
             return
@@ -536,7 +445,7 @@ class Admission:
                     self._policy.remove(live.item.rid)
                 self._end(live, reason, "", [], error=error)
             if live.running:
-                await self._release(live)
+                await self._memory.release(live)
                 self._live.pop(live.item.rid, None)
                 self._policy.on_finished(live.item, anyio.current_time())
         self._deadlines.clear()
