@@ -85,13 +85,11 @@ class KVStore:
             arrays.extend(a for kv in block for a in kv)
             new.append((key, bt))
         if arrays:
-            # Copied with the next step, not now (mx.eval would wait for the step in flight); once
-            # copied, no view keeps the batch's buffer alive.
-            mx.async_eval(arrays)
+            mx.eval(arrays)  # copies now, so the batch's buffer is not kept alive by a view
         return new
 
     def keep_session(self, name: str, cache: list[Any], tokens: list[int]) -> tuple[Key, int]:
-        mx.async_eval([a for c in cache for a in (c.keys, c.values)])  # copies, off the batch's buffer
+        mx.eval([a for c in cache for a in (c.keys, c.values)])  # detach from the batch's buffer
         self._sessions[name] = (cache, list(tokens))
         return name, len(tokens)
 
