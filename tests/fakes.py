@@ -101,6 +101,9 @@ class FakeEngine:
     def evict(self, keys: Sequence[Key]) -> None:
         self.evicted.extend(keys)
 
+    def keep_sessions(self, rids: Sequence[int]) -> list[tuple[Key, int]]:
+        return []  # the fake keeps no KV
+
     def step(self) -> StepResult:
         self.gate.wait()
         if self.step_delay:

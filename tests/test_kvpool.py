@@ -194,3 +194,25 @@ async def test_books_track_mlx_memory(model_cache: Path) -> None:
     # are the step in which a row joins the batch: mlx-lm concatenates the batch cache then.
     assert ratios[len(ratios) // 2] <= 1.1, ratios
     assert ratios[int(0.9 * (len(ratios) - 1))] <= 1.2, ratios
+
+
+async def test_a_turn_cut_by_a_stop_string_keeps_its_session(model_cache: Path) -> None:
+    rng = random.Random(9)
+    first = tokens(40, rng)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    with anyio.fail_after(180):
+        async with Scheduler(config(model_cache, block_tokens=16, prefix_cache=False)) as s:
+            text = (await s.complete(first, greedy)).text
+            assert len(text) >= 8
+            stop = text[len(text) // 2 : len(text) // 2 + 3]
+            cut = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop])
+            turn1 = await s.complete(first, cut, session="cut")
+            assert turn1.finish_reason == "stop" and turn1.completion_tokens < 20
+            second = first + turn1.token_ids + tokens(10, rng)
+            turn2 = await s.complete(second, greedy, session="cut")
+            st = s.stats()
+            await assert_idle(s)
+        async with Scheduler(config(model_cache, prefix_cache=False)) as ref:
+            expected = (await ref.complete(second, greedy)).token_ids
+    assert st.session_hits == 1
+    assert turn2.token_ids == expected

@@ -278,7 +278,7 @@ class Admission:
         touched: list[Live] = []
         for rid, token in zip(out.rids, out.tokens, strict=True):
             live = live_map.get(rid)
-            if live is None or live.ended:
+            if live is None or live.ended or live.stopping is not None:
                 continue
             if not live.pending:
                 touched.append(live)
@@ -305,7 +305,12 @@ class Admission:
             else:
                 self._obs.tokens(len(tokens), None, now - live.last_token_at)
             live.last_token_at = now
-            if hit:
+            if hit and live.submit.session is not None:
+                # The end waits for the worker to keep the session's KV, so that a next turn sent
+                # as soon as this one ends finds it.
+                live.stopping = (text, tokens)
+                self._to_worker(Abort([live.item.rid], keep_sessions=True))
+            elif hit:
                 self._end(live, "stop", text, tokens)
                 self._to_worker(Abort([live.item.rid]))
             else:
@@ -328,7 +333,10 @@ class Admission:
         already on their way back (then wait for them and try again)."""
         if self._memory.freeing > 0:
             return
-        candidates = [r.item for r in self._rows.values() if not r.preempting and not r.ended]
+        candidates = [
+            r.item for r in self._rows.values()
+            if not r.preempting and not r.ended and r.stopping is None
+        ]
         victim_item = self._policy.victim(candidates, anyio.current_time())
         victim = self._rows.get(victim_item.rid) if victim_item is not None else None
         if victim is None or victim.preempting or victim.ended:
@@ -364,10 +372,12 @@ class Admission:
             return
         preempted = live.preempting
         await self._memory.release(live)
-        if preempted and not live.ended and ending is None and error is None:
+        if preempted and not live.ended and live.stopping is None and ending is None and error is None:
             self._requeue(live)
             return
-        if not live.ended and ending is not None:
+        if not live.ended and live.stopping is not None:  # a stop string ended it
+            self._end(live, "stop", *live.stopping)
+        elif not live.ended and ending is not None:
             self._end(live, ending, live.text.finish(), [])
         elif not live.ended:  # lost in a failed step (or dropped unasked, which must not happen)
             self._end(live, "error", "", [], error=error or "the worker dropped the request")

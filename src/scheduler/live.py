@@ -42,6 +42,8 @@ class Live:
     final: int = 0
     """Tokens in its row when it reaches max_tokens."""
     pinned: bool = False
+    stopping: tuple[str, list[int]] | None = None
+    """A stop string ended it; its final text and tokens wait for the worker to keep its session."""
     preempting: bool = False
     preemptions: int = 0
 

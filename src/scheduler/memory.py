@@ -109,7 +109,8 @@ class Memory:
         for live in touched:
             need = plan.blocks(live.length)
             rid = live.item.rid
-            if need <= live.blocks or rid not in self.rows or live.preempting or live.ended:
+            if need <= live.blocks or rid not in self.rows or live.preempting or live.ended \
+                    or live.stopping is not None:
                 continue
             padding = self._target_padding(self._held + need - live.blocks)
             reply = await self._pool.call(Resize(rid, need, padding))

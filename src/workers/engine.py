@@ -49,6 +49,10 @@ class Engine(Protocol):
         """Drop stored prefix blocks or sessions."""
         ...
 
+    def keep_sessions(self, rids: Sequence[int]) -> list[tuple[Key, int]]:
+        """Keep the KV of those of `rids` that have a session (before they are removed)."""
+        ...
+
     def has_work(self) -> bool: ...
 
     def held(self) -> int:
@@ -220,6 +224,17 @@ class MLXEngine:
             row = [(c.keys[idx : idx + 1], c.values[idx : idx + 1]) for c in caches]
             start = int(caches[0].left_padding[idx].item())
         return store.store_blocks(keys, first, row, start)
+
+    def keep_sessions(self, rids: Sequence[int]) -> list[tuple[Key, int]]:
+        store = self._store
+        names = {
+            self._uid_of[r]: self._session_of[r]
+            for r in rids if r in self._session_of and r in self._uid_of
+        }
+        if store is None or not names:
+            return []
+        kept = self._gen.extract_cache(list(names))
+        return [store.keep_session(names[uid], cache, tokens) for uid, (cache, tokens) in kept.items()]
 
     def remove(self, rids: Sequence[int]) -> None:
         for rid in rids:

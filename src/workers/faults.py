@@ -47,6 +47,9 @@ class FaultyEngine:
     def evict(self, keys: Sequence[Key]) -> None:
         self._inner.evict(keys)
 
+    def keep_sessions(self, rids: Sequence[int]) -> list[tuple[Key, int]]:
+        return self._inner.keep_sessions(rids)
+
     def step(self) -> StepResult:
         self.steps += 1
         if self.steps in self._plan.stall_at_steps:

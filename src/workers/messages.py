@@ -42,9 +42,11 @@ class Admit(msgspec.Struct, frozen=True, tag=True):
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
-    """Remove requests from the batch; the worker confirms each in `StepOutput.aborted`."""
+    """Remove requests from the batch; the worker confirms each in `StepOutput.aborted`.
+    `keep_sessions`: they ended (a stop string): a request with a session keeps its KV first."""
 
     rids: list[int]
+    keep_sessions: bool = False
 
 
 class Evict(msgspec.Struct, frozen=True, tag=True):

@@ -23,6 +23,7 @@ from workers.messages import (
     Abort,
     Admit,
     Evict,
+    Key,
     Shutdown,
     StepOutput,
     WorkerCommand,
@@ -157,12 +158,15 @@ class GPUWorker(Generic[InfoT]):
                     break
             admits: list[Admit] = []
             aborted: list[int] = []
+            kept: list[tuple[Key, int]] = []
             stop = False
             for command in pending:
                 match command:
                     case Admit():
                         admits.append(command)
-                    case Abort(rids):
+                    case Abort(rids, keep_sessions):
+                        if keep_sessions:
+                            kept.extend(engine.keep_sessions(rids))
                         aborted.extend(rids)
                     case Evict(keys):
                         engine.evict(keys)  # before inserts: the pool evicted them first
@@ -177,7 +181,7 @@ class GPUWorker(Generic[InfoT]):
                 r = engine.step()
                 self._step += 1
                 t_end = time.perf_counter()
-            elif aborted:
+            elif aborted or kept:
                 t_start = t_end = time.perf_counter()
                 r = _NOTHING
             else:
@@ -185,6 +189,6 @@ class GPUWorker(Generic[InfoT]):
             self._post(
                 StepOutput(
                     self._step, r.rids, r.tokens, r.finished, r.reasons, aborted, engine.held(),
-                    t_start, t_end, r.prefill_tokens, r.stored, r.active_bytes,
+                    t_start, t_end, r.prefill_tokens, kept + r.stored, r.active_bytes,
                 )
             )
