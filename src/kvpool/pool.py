@@ -103,9 +103,7 @@ def _grow(
     """Set `rid` to `blocks` (and the padding to `padding`), evicting cache entries (never those
     in `keep`) if needed. `credit`: blocks the caller frees right after a grant (a session taken
     over). Grants only if `keep_free` blocks stay free or evictable afterwards."""
-    targets = {rid: blocks}
-    if padding is not None and rid != PADDING:
-        targets[PADDING] = padding
+    targets = _targets(rid, blocks, padding)
     net = sum(n - books.held(h) for h, n in targets.items())
     spare = books.evictable - sum(_evictable_blocks(books, k) for k in set(keep))
     if net + keep_free > books.free + spare + credit:
@@ -115,6 +113,14 @@ def _grow(
     return Granted(rid, books.held(rid), evicted=evicted)
 
 
+def _targets(rid: int, blocks: int, padding: int | None) -> dict[int, int]:
+    """Holder -> blocks it must hold: `rid`, and the padding when given."""
+    targets = {rid: blocks}
+    if padding is not None and rid != PADDING:
+        targets[PADDING] = padding
+    return targets
+
+
 def _evictable_blocks(books: BlockBooks, key: Key) -> int:
     size = books.entry_size(key)
     return 0 if size is None or books.pinned(key) else size[0]
@@ -122,9 +128,7 @@ def _evictable_blocks(books: BlockBooks, key: Key) -> int:
 
 def _apply(books: BlockBooks, rid: int, blocks: int, padding: int | None) -> None:
     """Resize after a grant: shrinks first, so their blocks serve the growth."""
-    targets = {rid: blocks}
-    if padding is not None and rid != PADDING:
-        targets[PADDING] = padding
+    targets = _targets(rid, blocks, padding)
     for holder, n in sorted(targets.items(), key=lambda hn: hn[1] - books.held(hn[0])):
         grew = books.resize(holder, n)
         assert grew, "the grant left too few blocks free"

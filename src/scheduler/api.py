@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING
@@ -11,11 +10,11 @@ import anyio
 import structlog
 
 from kvpool.books import BlockBooks
-from kvpool.pool import Pool, pool_blocks
+from kvpool.pool import Pool
 from metrics.logging import configure_logging
 from metrics.prometheus import SchedulerMetrics
 from scheduler.admission import Admission
-from scheduler.config import SchedulerConfig, memory_spec
+from scheduler.config import SchedulerConfig
 from scheduler.errors import (
     ConfigError,
     InvalidRequest,
@@ -23,7 +22,7 @@ from scheduler.errors import (
     SchedulerClosed,
     SchedulerError,
 )
-from scheduler.kvplan import KVPlan
+from scheduler.kvplan import KVPlan, pool_size
 from scheduler.messages import Cancel, Close, DropSession, Submit, SubmitEnvelope
 from scheduler.policy import make_policy
 from scheduler.stream import RequestStream
@@ -83,7 +82,6 @@ class Scheduler:
         self._admission: Admission | None = None
         self._pool: Pool | None = None
         self._loaded: Loaded | None = None
-        self._kv_budget = 0
         self._state = "new"
         self._done = anyio.Event()
         self._worker_done = anyio.Event()
@@ -112,15 +110,7 @@ class Scheduler:
                 raise ModelLoadError(str(exc)) from exc.__cause__
             self._loaded = loaded
             info = loaded.info
-            memory = self._memory_bytes()
-            self._kv_budget = memory - info.weights_bytes
-            blocks = pool_blocks(self._kv_budget, c.kvpool.block_tokens, info.kv_bytes_per_token)
-            if blocks < 1:
-                raise ConfigError(
-                    f"kvpool.memory: {memory} bytes less the model's weights "
-                    f"({info.weights_bytes} bytes) holds no block of {c.kvpool.block_tokens} tokens "
-                    f"at {info.kv_bytes_per_token} bytes per token; raise it"
-                )
+            blocks = pool_size(c.kvpool, info, loaded.device_memory)
             self._pool = Pool(BlockBooks(blocks, c.kvpool.block_tokens,
                                          c.kvpool.block_tokens * info.kv_bytes_per_token))
             await tg.start(self._run_pool, self._pool)
@@ -218,15 +208,6 @@ class Scheduler:
     def _on_worker_event(self, event: WorkerEvent) -> None:
         if self._admission is not None:
             self._admission.on_worker_event(event)
-
-    def _memory_bytes(self) -> int:
-        size, fraction = memory_spec(self.config.kvpool.memory)
-        if size is not None:
-            return size
-        assert fraction is not None
-        device = self._loaded.device_memory if self._loaded is not None else None
-        total = device or _system_memory()
-        return int(total * fraction)
 
     # ---- requests -----------------------------------------------------------------------------
     @property
@@ -411,11 +392,5 @@ def _is_wrapping(group: BaseException, exc: BaseException) -> bool:
         return all(_is_wrapping(e, exc) for e in group.exceptions)
     return False
 
-
-def _system_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 8 * 2**30
 
 

@@ -1,4 +1,5 @@
-"""How many KV blocks a request needs, and the keys of its prompt blocks (pure; no actors).
+"""How many KV blocks the pool holds and a request needs, and the keys of its prompt blocks
+(pure; no actors).
 
 The admission actor asks this module what to reserve; the pool keeps the books.
 """
@@ -6,16 +7,47 @@ The admission actor asks this module what to reserve; the pool keeps the books.
 from __future__ import annotations
 
 import hashlib
+import os
 from array import array
 from typing import TYPE_CHECKING, Literal
 
 from kvpool.books import blocks_for
 from kvpool.dense import padding_blocks
+from kvpool.pool import pool_blocks
+from scheduler.config import memory_spec
+from scheduler.errors import ConfigError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from scheduler.config import KVPoolSection
+    from workers.models import ModelInfo
+
 Mode = Literal["reserve", "on-demand"]
+
+
+def pool_size(section: KVPoolSection, info: ModelInfo, device_memory: int | None) -> int:
+    """Blocks in the pool: `[kvpool] memory` (bytes, or a fraction of the device's memory, else
+    of the machine's) less the weights. `ConfigError` naming `kvpool.memory` if not one fits."""
+    size, fraction = memory_spec(section.memory)
+    if size is None:
+        assert fraction is not None
+        size = int((device_memory or _system_memory()) * fraction)
+    blocks = pool_blocks(size - info.weights_bytes, section.block_tokens, info.kv_bytes_per_token)
+    if blocks < 1:
+        raise ConfigError(
+            f"kvpool.memory: {size} bytes less the model's weights ({info.weights_bytes} bytes) "
+            f"holds no block of {section.block_tokens} tokens at {info.kv_bytes_per_token} bytes "
+            "per token; raise it"
+        )
+    return blocks
+
+
+def _system_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
 
 
 def prompt_keys(prompt: list[int], block_tokens: int) -> list[int]:

@@ -40,7 +40,7 @@ class Loaded(msgspec.Struct, frozen=True):
     device_memory: int | None = None
     """Bytes of memory the MLX device reports (None on the CPU backend)."""
     dense_step: int = 1
-    """The engine's batch cache grows its rows to a multiple of this many tokens (mlx-lm: 256)."""
+    """The engine's batch cache grows its buffer by this many tokens at a time (mlx-lm: 256)."""
     kv_reuse: bool = False
     """Whether the engine can keep and reuse prefix blocks and session caches."""
 
