@@ -86,6 +86,8 @@ class Memory:
         self.rows[live.item.rid] = live
         self._held += reply.blocks
         self._padding = padding
+        if live.preemptions == 0:  # what the caller is told: its own prompt's first admission
+            live.cached_tokens = reply.session_tokens or reply.prefix_hits * plan.block_tokens
         c = self._counters
         if reply.session_tokens:
             c.session_hits += 1
