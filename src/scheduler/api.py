@@ -24,7 +24,7 @@ from scheduler.errors import (
 )
 from scheduler.kvplan import KVPlan, pool_size
 from scheduler.messages import Cancel, Close, DropSession, Submit, SubmitEnvelope
-from scheduler.policy import make_policy
+from scheduler.policies import make_policy
 from scheduler.stream import RequestStream
 from scheduler.types import Chunk, Completion, SchedulerStats
 from scheduler.validation import check_arguments, check_length, check_session
