@@ -56,9 +56,6 @@ class Pool:
             await self._send.send(PoolEnvelope(msg, reply_send))
             return await reply_recv.receive()
 
-    def close(self) -> None:
-        self._send.close()
-
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async with self._inbox:

@@ -16,7 +16,7 @@ import anyio
 import msgspec
 import structlog
 
-from scheduler.dispatcher import Codec, TextStream
+from scheduler.detokenize import Codec, TextStream
 from scheduler.errors import InvalidRequest, QueueFull, SchedulerClosed, SchedulerError
 from scheduler.live import Counters, Live
 from scheduler.memory import Memory

@@ -29,7 +29,6 @@ from scheduler.stream import RequestStream
 from scheduler.types import Chunk, Completion, SchedulerStats
 from scheduler.validation import check_arguments, check_length, check_session
 from workers.factory import Loaded, mlx_engine_factory
-from workers.faults import FaultPlan, with_faults
 from workers.worker import EngineFactory, GPUWorker, WorkerStartError
 
 if TYPE_CHECKING:
@@ -46,6 +45,19 @@ log = structlog.get_logger("scheduler")
 _THREAD_TOKENIZE_CHARS = 2048
 
 
+def real_engine_factory(c: SchedulerConfig) -> EngineFactory[Loaded]:
+    """The mlx-lm engine that `c` describes (what a Scheduler runs unless told otherwise)."""
+    return mlx_engine_factory(
+        c.model.path,
+        cache_dir=c.model.cache_dir,
+        max_batch=c.worker.max_batch,
+        prefill_batch=c.worker.prefill_batch,
+        prefill_step=c.worker.prefill_step,
+        step_token_budget=c.worker.step_token_budget,
+        block_tokens=c.kvpool.block_tokens,
+    )
+
+
 class Scheduler:
     """Serves many concurrent generation requests on one model with continuous batching.
 
@@ -56,26 +68,15 @@ class Scheduler:
         config: SchedulerConfig | None = None,
         *,
         engine_factory: EngineFactory[Loaded] | None = None,
-        faults: FaultPlan | None = None,
     ) -> None:
-        """`engine_factory` replaces the real engine (tests of actor logic); `faults` injects
-        worker failures, stalls or a failed load (reliability tests)."""
+        """`engine_factory` replaces the real engine (tests: a fake one, or the real one wrapped
+        by `workers.faults.with_faults`)."""
         self.config = config if config is not None else SchedulerConfig()
         c = self.config
         if not structlog.is_configured():
             # Unconfigured structlog prints every level to stdout; apply [logging] instead.
             configure_logging(c.logging.format, c.logging.level)
-        self._factory = engine_factory or mlx_engine_factory(
-            c.model.path,
-            cache_dir=c.model.cache_dir,
-            max_batch=c.worker.max_batch,
-            prefill_batch=c.worker.prefill_batch,
-            prefill_step=c.worker.prefill_step,
-            step_token_budget=c.worker.step_token_budget,
-            block_tokens=c.kvpool.block_tokens,
-        )
-        if faults is not None:
-            self._factory = with_faults(self._factory, faults)
+        self._factory = engine_factory or real_engine_factory(c)
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._actors = _Scopes()

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream
 
-    from scheduler.dispatcher import TextStream
+    from scheduler.detokenize import TextStream
     from scheduler.messages import Submit
     from scheduler.policy import QueueItem
     from scheduler.types import Chunk

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from scheduler.policy import QueueItem
 
-Key = tuple[float, ...]
+SortKey = tuple[float, ...]
 
 
 class Hooks:
@@ -83,10 +83,10 @@ class _Heap:
     """Heap entries (key, stamp, rid) over a shared `live` map rid -> (stamp, item). An entry whose
     stamp is not its item's current one (removed, popped, pushed again) is dropped at the top."""
 
-    def __init__(self, key: Callable[[QueueItem], Key], live: dict[int, tuple[int, QueueItem]]) -> None:
+    def __init__(self, key: Callable[[QueueItem], SortKey], live: dict[int, tuple[int, QueueItem]]) -> None:
         self._key = key
         self._live = live
-        self._entries: list[tuple[Key, int, int]] = []
+        self._entries: list[tuple[SortKey, int, int]] = []
 
     def push(self, item: QueueItem, stamp: int) -> None:
         heapq.heappush(self._entries, (self._key(item), stamp, item.rid))
@@ -111,7 +111,7 @@ class _Heap:
 class _HeapQueue(Hooks):
     """Waiting items in one heap per sort key, all sharing one map of the live items."""
 
-    def __init__(self, *keys: Callable[[QueueItem], Key]) -> None:
+    def __init__(self, *keys: Callable[[QueueItem], SortKey]) -> None:
         self._live: dict[int, tuple[int, QueueItem]] = {}
         self._heaps = [_Heap(key, self._live) for key in keys]
         self._stamp = 0

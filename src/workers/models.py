@@ -34,8 +34,9 @@ _HUB_PATTERNS = [
 _HINT = "use a local model directory or a synthetic model such as synthetic:tiny"
 
 
-class ModelLoadError(RuntimeError):
-    """A model could not be resolved or loaded; the message says which and why."""
+class ModelSourceError(RuntimeError):
+    """A model could not be resolved or loaded; the message says which and why. The public API
+    raises it as the cause of `scheduler.errors.ModelLoadError`."""
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
@@ -67,7 +68,7 @@ def parse_synthetic(name: str) -> tuple[str, int] | None:
     try:
         return size, int(seed)
     except ValueError:
-        raise ModelLoadError(f"bad seed {seed!r} in {name!r}: expected synthetic:<size>@<int>") from None
+        raise ModelSourceError(f"bad seed {seed!r} in {name!r}: expected synthetic:<size>@<int>") from None
 
 
 def resolve_model(path: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -82,20 +83,22 @@ def resolve_model(path: str, cache_dir: str | os.PathLike[str] | None = None) ->
         size, seed = parsed
         if size not in synthetic.SIZES:
             known = ", ".join(SYNTHETIC_PREFIX + s for s in synthetic.SIZES)
-            raise ModelLoadError(f"unknown synthetic model {path!r}; known sizes: {known}")
+            raise ModelSourceError(f"unknown synthetic model {path!r}; known sizes: {known}")
         try:
             return synthetic.build(size, seed, cache_dir)
         except OSError as e:
-            raise ModelLoadError(f"could not build {path!r}: {e}") from e
+            raise ModelSourceError(f"could not build {path!r}: {e}") from e
     local = Path(path).expanduser()
     if local.exists():
         if not local.is_dir():
-            raise ModelLoadError(f"model path {path!r} is not a directory")
+            raise ModelSourceError(f"model path {path!r} is not a directory")
         if not (local / "config.json").is_file():
-            raise ModelLoadError(f"model directory {path!r} has no config.json, so it is not an mlx-lm model")
+            raise ModelSourceError(
+                f"model directory {path!r} has no config.json, so it is not an mlx-lm model"
+            )
         return local
     if path.startswith(("/", ".", "~")) or not _HUB_ID.match(path):
-        raise ModelLoadError(f"model directory {path!r} does not exist; {_HINT}")
+        raise ModelSourceError(f"model directory {path!r} does not exist; {_HINT}")
     return _download(path)
 
 
@@ -105,7 +108,7 @@ def _download(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, etag_timeout=HUB_TIMEOUT_S))
     except Exception as e:
-        raise ModelLoadError(
+        raise ModelSourceError(
             f"could not load {repo_id!r} from the Hugging Face hub (no network?) and it is not "
             f"a local directory: {type(e).__name__}: {e}; {_HINT}"
         ) from e
@@ -122,7 +125,7 @@ def load_model(path: str, cache_dir: str | os.PathLike[str] | None = None) -> tu
     try:
         loaded = mlx_lm.load(str(directory))
     except Exception as e:
-        raise ModelLoadError(
+        raise ModelSourceError(
             f"could not load the model in {str(directory)!r}: {type(e).__name__}: {e}"
         ) from e
     return loaded[0], loaded[1]
