@@ -32,10 +32,12 @@ from workers.factory import Loaded, mlx_engine_factory
 from workers.worker import EngineFactory, GPUWorker, WorkerStartError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import TracebackType
 
     from anyio.streams.memory import MemoryObjectReceiveStream
 
+    from kvpool.messages import PoolReplies
     from scheduler.params import SamplingParams
     from workers.messages import WorkerEvent
 
@@ -114,7 +116,6 @@ class Scheduler:
             blocks = pool_size(c.kvpool, info, loaded.device_memory)
             self._pool = Pool(BlockBooks(blocks, c.kvpool.block_tokens,
                                          c.kvpool.block_tokens * info.kv_bytes_per_token))
-            await tg.start(self._run_pool, self._pool)
             plan = KVPlan(
                 mode=c.kvpool.mode, block_tokens=c.kvpool.block_tokens, blocks_total=blocks,
                 watermark=c.kvpool.watermark, dense_step=loaded.dense_step,
@@ -131,6 +132,7 @@ class Scheduler:
                 max_queue=c.scheduler.max_queue,
                 observer=self.metrics,
             )
+            await tg.start(self._run_pool, self._pool, self._admission.post)
             await tg.start(self._run_admission)
         except BaseException as exc:
             tg.cancel_scope.cancel()
@@ -192,10 +194,11 @@ class Scheduler:
             self._worker_done.set()
 
     async def _run_pool(
-        self, pool: Pool, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+        self, pool: Pool, reply: Callable[[PoolReplies], None], *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         with self._actors.new():
-            await pool.run(task_status=task_status)
+            await pool.run(reply, task_status=task_status)
 
     async def _run_admission(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -208,7 +211,7 @@ class Scheduler:
 
     def _on_worker_event(self, event: WorkerEvent) -> None:
         if self._admission is not None:
-            self._admission.on_worker_event(event)
+            self._admission.post(event)
 
     # ---- requests -----------------------------------------------------------------------------
     @property
