@@ -54,7 +54,9 @@ class Harness:
         send, _ = anyio.create_memory_object_stream[Chunk](max_tokens + 2)
         timeout = kw.pop("timeout", None)
         session = kw.pop("session", None)
-        msg = Submit(prompt, SamplingParams(max_tokens=max_tokens, **kw), 0, "t", timeout, now, session)  # type: ignore[arg-type]
+        stream = kw.pop("stream", True)
+        msg = Submit(prompt, SamplingParams(max_tokens=max_tokens, **kw), 0, "t", timeout, now, session,  # type: ignore[arg-type]
+                     stream)  # type: ignore[arg-type]
         rid = self.core.submit(msg, send, now)
         assert isinstance(rid, int), rid
         return rid
@@ -288,3 +290,17 @@ def test_the_queue_bound_counts_only_what_waits_beyond_free_slots() -> None:
     with pytest.raises(QueueFull):
         raise h.core.submit(msg, send, 0.0)  # type: ignore[misc]
     assert h.core.counters.rejected == 1
+
+
+def test_a_request_that_is_not_streamed_gets_one_chunk_with_everything() -> None:
+    h = Harness()
+    streamed, whole = h.submit([1] * 5, max_tokens=3), h.submit([1] * 5, max_tokens=3, stream=False)
+    h.settle()
+    for k in range(3):
+        h.step({streamed: k, whole: k}, finished={streamed: "length", whole: "length"} if k == 2 else None)
+        h.settle()
+    assert len(h.chunks[streamed]) == 4 and len(h.chunks[whole]) == 1
+    one = h.chunks[whole][0]
+    assert one.finish_reason == "length" and one.token_ids == [0, 1, 2]
+    assert one.text == "".join(c.text for c in h.chunks[streamed]) == "abc"
+    assert one.completion_tokens == 3

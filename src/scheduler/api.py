@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING
@@ -259,8 +260,13 @@ class Scheduler:
         text: list[str] = []
         ids: list[int] = []
         last: Chunk | None = None
-        async with self.generate(
-            prompt, params, priority=priority, tenant=tenant, timeout=timeout, session=session
+        self._check_running()
+        params = check_arguments(prompt, params, priority, tenant, timeout, self.model.info.vocab_size)
+        check_session(session)
+        # Not streamed: one chunk at the end, so this task is not woken once per step.
+        submit = functools.partial(self._submit, stream=False)
+        async with RequestStream(
+            submit, self._cancel, prompt, params, priority, tenant, timeout, session
         ) as stream:
             async for chunk in stream:
                 text.append(chunk.text)
@@ -332,7 +338,7 @@ class Scheduler:
 
     async def _submit(
         self, prompt: str | list[int], params: SamplingParams, priority: int, tenant: str,
-        timeout: float | None, session: str | None,
+        timeout: float | None, session: str | None, stream: bool = True,
     ) -> tuple[int, MemoryObjectReceiveStream[Chunk]]:
         submitted_at = time.perf_counter()
         self._check_running()
@@ -351,7 +357,7 @@ class Scheduler:
         assert self._admission is not None
         out_send, out_recv = anyio.create_memory_object_stream[Chunk](params.max_tokens + 2)
         reply_send, reply_recv = anyio.create_memory_object_stream[int | SchedulerError](1)
-        msg = Submit(tokens, params, priority, tenant, timeout, submitted_at, session)
+        msg = Submit(tokens, params, priority, tenant, timeout, submitted_at, session, stream)
         self._admission.send.send_nowait(SubmitEnvelope(msg, reply_send, out_send))
         with reply_recv, anyio.CancelScope(shield=True):
             # Shielded: once submitted, we must learn the id to be able to cancel it.

@@ -134,7 +134,10 @@ class AdmissionCore:
             max_tokens=msg.params.max_tokens, priority=msg.priority, tenant=msg.tenant,
             deadline=deadline,
         )
-        self._live[rid] = Live(item, msg, out, TextStream(self._codec, msg.params.stop), prompt=msg.prompt)
+        self._live[rid] = Live(
+            item, msg, out, TextStream(self._codec, msg.params.stop), prompt=msg.prompt,
+            parts=None if msg.stream else [],
+        )
         self._policy.push(item, now)
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, rid))
@@ -236,7 +239,10 @@ class AdmissionCore:
                 self._finish(live, "stop", text, tokens, None, now)
                 self._aborts.append(rid)
             else:
-                deliver.append((live, Chunk(rid, text, tokens)))
+                if live.parts is None:
+                    deliver.append((live, Chunk(rid, text, tokens)))
+                else:
+                    live.parts.append(text)
                 touched.append(live)
         for rid, reason in zip(out.finished, out.reasons, strict=True):
             self._dropped(rid, now, ending="length" if reason == "length" else "stop")
@@ -399,6 +405,8 @@ class AdmissionCore:
         once; one that does stays until the worker confirms it dropped the row."""
         assert not live.sent_final
         live.sent_final, live.ending = True, None
+        if live.parts is not None:  # not streamed: the one chunk carries everything
+            text, tokens = "".join(live.parts) + text, list(live.tokens)
         t0 = live.submit.submitted_at
         queue_s = (live.admitted_at if live.admitted_at is not None else now) - t0
         ttft_s = None if live.first_token_at is None else live.first_token_at - t0

@@ -70,6 +70,8 @@ class Live:
     preemptions: int = 0
     cached_tokens: int = 0
     """Prompt tokens its first admission found cached (prefix blocks or a session)."""
+    parts: list[str] | None = None
+    """Text so far of a request that is not streamed (it gets one chunk); None when streamed."""
 
     @property
     def rid(self) -> int:

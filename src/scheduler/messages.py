@@ -24,6 +24,9 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     timeout: float | None
     submitted_at: float
     session: str | None = None
+    stream: bool = True
+    """False: only the final chunk is delivered, carrying the whole text and every token (all
+    that `complete` needs: no wake-up of its caller per step)."""
 
 
 class Cancel(msgspec.Struct, frozen=True, tag=True):
