@@ -18,15 +18,15 @@ import structlog
 from scheduler.detokenize import TextStream
 from scheduler.errors import InvalidRequest, QueueFull, SchedulerClosed, SchedulerError
 from scheduler.live import HOLDS_ROW, Counters, Live, State
-from scheduler.memory import Memory
+from scheduler.memory import Memory, admit_message
 from scheduler.policy import QueueItem
 from scheduler.types import Chunk, FinishReason, Timings
-from workers.messages import Abort, Admit, Evict, SamplingSpec
+from workers.messages import Abort, Admit, Evict
 
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream
 
-    from kvpool.messages import Granted, PoolBatch, PoolReplies
+    from kvpool.messages import PoolBatch, PoolReplies
     from metrics.observer import Observer
     from scheduler.detokenize import Codec
     from scheduler.kvplan import KVPlan
@@ -263,7 +263,7 @@ class AdmissionCore:
             if live.admitted_at is None:
                 live.admitted_at = now
                 self._obs.admitted(now - live.submit.submitted_at)
-            admit = self._admit_message(live, granted)
+            admit = admit_message(live, granted, self._eos)
             self._worker.append(admit)
             log.debug("request_admitted", request_id=live.rid, tenant=live.item.tenant, blocks=live.blocks,
                       prefix_blocks=len(admit.prefix), session=admit.resume or None)
@@ -324,19 +324,6 @@ class AdmissionCore:
             memory.reserve(live)
             room -= need
             first = False
-
-    def _admit_message(self, live: Live, granted: Granted) -> Admit:
-        """What the worker needs to run `live`, as its row holds now (after a preemption: the
-        prompt with what it generated, and the tokens still to come)."""
-        params = live.submit.params
-        stops = tuple(params.stop_token_ids) + (() if params.ignore_eos else self._eos)
-        keys, hits = live.keys or [], granted.prefix_hits
-        return Admit(
-            rid=live.rid, prompt=live.prompt, max_tokens=params.max_tokens - live.completion_tokens,
-            sampling=SamplingSpec(params.temperature, params.top_p, params.top_k, params.min_p, params.seed),
-            stop_token_ids=tuple(dict.fromkeys(stops)), prefix=keys[:hits], store=keys[hits:],
-            session=live.submit.session, resume=granted.session_tokens > 0, sampled=live.completion_tokens,
-        )
 
     # ---- preemption --------------------------------------------------------------------------
     def _preempt(self, short: Live, now: float) -> None:

@@ -27,6 +27,7 @@ from kvpool.messages import (
 )
 from scheduler.kvplan import KVPlan, prompt_keys
 from scheduler.live import State
+from workers.messages import Admit, SamplingSpec
 
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream
@@ -234,6 +235,21 @@ class Memory:
             c.prefix_query_tokens += len(live.prompt)
             c.prefix_hit_tokens += hit
             self._obs.prefix_query(hit, len(live.prompt))
+
+
+def admit_message(live: Live, granted: Granted, eos: tuple[int, ...]) -> Admit:
+    """What the worker needs to run `live`, as its row holds now (after a preemption: the prompt
+    with what it generated, and the tokens still to come): the prefix blocks the grant found
+    cached, and the keys of the rest to store."""
+    params = live.submit.params
+    stops = tuple(params.stop_token_ids) + (() if params.ignore_eos else eos)
+    keys, hits = live.keys or [], granted.prefix_hits
+    return Admit(
+        rid=live.rid, prompt=live.prompt, max_tokens=params.max_tokens - live.completion_tokens,
+        sampling=SamplingSpec(params.temperature, params.top_p, params.top_k, params.min_p, params.seed),
+        stop_token_ids=tuple(dict.fromkeys(stops)), prefix=keys[:hits], store=keys[hits:],
+        session=live.submit.session, resume=granted.session_tokens > 0, sampled=live.completion_tokens,
+    )
 
 
 class Outcome:
