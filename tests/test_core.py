@@ -304,3 +304,19 @@ def test_a_request_that_is_not_streamed_gets_one_chunk_with_everything() -> None
     assert one.finish_reason == "length" and one.token_ids == [0, 1, 2]
     assert one.text == "".join(c.text for c in h.chunks[streamed]) == "abc"
     assert one.completion_tokens == 3
+
+
+def test_close_with_a_drain_lets_what_is_being_admitted_run_and_cancels_the_queue() -> None:
+    h = Harness(max_batch=2)
+    a, b, c = (h.submit([i + 1] * 5, max_tokens=2) for i in range(3))
+    h.take(answer=False)  # a and b: their Reserves in flight
+    h.core.close(30.0, 0.0)
+    h.answer()
+    h.settle()
+    assert h.final(c).finish_reason == "cancelled"  # type: ignore[union-attr]
+    assert [x.rid for x in h.admits()] == [a, b] and h.final(a) is None
+    h.step({a: 1, b: 1})
+    h.step({a: 2, b: 2}, finished={a: "length", b: "length"})
+    h.settle()
+    assert h.final(a).finish_reason == h.final(b).finish_reason == "length"  # type: ignore[union-attr]
+    assert h.core.done and h.books.free == h.books.total

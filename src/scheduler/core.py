@@ -169,7 +169,7 @@ class AdmissionCore:
         """Stop admitting; end the queued; running ones end now or after `drain_s` seconds."""
         self.closed = "the scheduler is shutting down"
         for live in list(self._live.values()):
-            if live.state in (State.WAITING, State.ADMITTING):
+            if live.state is State.WAITING:  # one being admitted runs (and drains) if granted
                 self.cancel(live.rid, now)
         self._drain_until = now + drain_s
 
@@ -270,7 +270,10 @@ class AdmissionCore:
         for live, _ in reversed(out.denied):  # the head last, so it is first again
             if live.state is State.ADMITTING and not live.sent_final:
                 live.state = State.WAITING
-                self._policy.push(live.item, now)
+                if self.closed is None:
+                    self._policy.push(live.item, now)
+                else:
+                    self.cancel(live.rid, now)
         if out.denied:
             self._blocked = out.denied[0][0].rid
         if out.released or out.dropped:
