@@ -37,8 +37,9 @@ if TYPE_CHECKING:
     from workers.messages import Key
 
 class Memory:
-    """Rows and their blocks. `rows`: requests the worker holds (granted, not yet confirmed
-    dropped), by id. `in_flight`: the batch the pool is applying, with each command's context."""
+    """Rows and their blocks. `rows`: requests the worker holds or is about to (reserved, not yet
+    confirmed dropped), by id. `in_flight`: the batch the pool is applying, with each command's
+    context; `pending`: commands for the next batch."""
 
     def __init__(self, *, plan: KVPlan, prefix_cache: bool, counters: Counters, observer: Observer) -> None:
         self.plan = plan
@@ -55,9 +56,8 @@ class Memory:
         """Blocks that preempted rows will return once the worker confirms, by row."""
         self.pending: list[tuple[PoolCommand, object]] = []
         self.in_flight: list[tuple[PoolCommand, object]] | None = None
-        self.room = plan.blocks_total
-        """Free plus evictable blocks at the last reply, less what the core committed since."""
         self._room_base = (plan.blocks_total, 0)
+        """(free + evictable blocks at the last reply, what the core's rows held then)."""
 
     # ---- the batch -------------------------------------------------------------------------
     def take_batch(self) -> PoolBatch | None:
