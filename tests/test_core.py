@@ -4,23 +4,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import anyio
 import pytest
 
 from kvpool.books import BlockBooks
 from kvpool.messages import PoolReplies, Release, Reserve, Resize
 from kvpool.pool import apply_batch
 from metrics.observer import NullObserver
+from scheduler.chunks import chunk_channel
 from scheduler.core import AdmissionCore, Plan
 from scheduler.errors import QueueFull
 from scheduler.kvplan import KVPlan
 from scheduler.messages import Submit
 from scheduler.params import SamplingParams
 from scheduler.policies import make_policy
-from scheduler.types import Chunk
 from tests.fakes import EOS, FakeCodec
 from workers.messages import Abort, Admit, StepOutput, WorkerFailed
+
+if TYPE_CHECKING:
+    from scheduler.types import Chunk
 
 
 @dataclass
@@ -51,7 +54,7 @@ class Harness:
         )
 
     def submit(self, prompt: list[int], max_tokens: int = 4, now: float = 0.0, **kw: object) -> int:
-        send, _ = anyio.create_memory_object_stream[Chunk](max_tokens + 2)
+        send, _ = chunk_channel()
         timeout = kw.pop("timeout", None)
         session = kw.pop("session", None)
         stream = kw.pop("stream", True)
@@ -285,7 +288,7 @@ def test_the_queue_bound_counts_only_what_waits_beyond_free_slots() -> None:
     h = Harness(max_batch=2, max_queue=1)
     for i in range(3):  # two will be admitted by the next take, one waits
         h.submit([i + 1] * 5)
-    send, _ = anyio.create_memory_object_stream[Chunk](4)
+    send, _ = chunk_channel()
     msg = Submit([9], SamplingParams(max_tokens=2), 0, "t", None, 0.0)
     with pytest.raises(QueueFull):
         raise h.core.submit(msg, send, 0.0)  # type: ignore[misc]

@@ -15,6 +15,7 @@ from kvpool.pool import Pool
 from metrics.logging import configure_logging
 from metrics.prometheus import SchedulerMetrics
 from scheduler.admission import Admission
+from scheduler.chunks import ChunkReceiver, chunk_channel
 from scheduler.config import SchedulerConfig
 from scheduler.errors import (
     ConfigError,
@@ -35,8 +36,6 @@ from workers.worker import EngineFactory, GPUWorker, WorkerStartError
 if TYPE_CHECKING:
     from collections.abc import Callable
     from types import TracebackType
-
-    from anyio.streams.memory import MemoryObjectReceiveStream
 
     from kvpool.messages import PoolReplies
     from scheduler.params import SamplingParams
@@ -339,7 +338,7 @@ class Scheduler:
     async def _submit(
         self, prompt: str | list[int], params: SamplingParams, priority: int, tenant: str,
         timeout: float | None, session: str | None, stream: bool = True,
-    ) -> tuple[int, MemoryObjectReceiveStream[Chunk]]:
+    ) -> tuple[int, ChunkReceiver]:
         submitted_at = time.perf_counter()
         self._check_running()
         if isinstance(prompt, str):
@@ -355,7 +354,7 @@ class Scheduler:
         check_length(len(tokens), params.max_tokens, self.model.info.context_length)
         self._check_running()
         assert self._admission is not None
-        out_send, out_recv = anyio.create_memory_object_stream[Chunk](params.max_tokens + 2)
+        out_send, out_recv = chunk_channel()  # the actor sends at most max_tokens + 2 chunks
         reply_send, reply_recv = anyio.create_memory_object_stream[int | SchedulerError](1)
         msg = Submit(tokens, params, priority, tenant, timeout, submitted_at, session, stream)
         self._admission.send.send_nowait(SubmitEnvelope(msg, reply_send, out_send))

@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from anyio.streams.memory import MemoryObjectSendStream
-
+    from scheduler.chunks import ChunkSender
     from scheduler.detokenize import TextStream
     from scheduler.messages import Submit
     from scheduler.policy import QueueItem
-    from scheduler.types import Chunk, FinishReason
+    from scheduler.types import FinishReason
 
 
 class State(enum.Enum):
@@ -43,7 +42,7 @@ class Live:
 
     item: QueueItem
     submit: Submit
-    out: MemoryObjectSendStream[Chunk]
+    out: ChunkSender
     text: TextStream
     state: State = State.WAITING
     sent_final: bool = False
