@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+import anyio
 import pytest
 
 from kvpool.books import BlockBooks
@@ -19,11 +19,9 @@ from scheduler.kvplan import KVPlan
 from scheduler.messages import Submit
 from scheduler.params import SamplingParams
 from scheduler.policies import make_policy
+from scheduler.types import Chunk
 from tests.fakes import EOS, FakeCodec
 from workers.messages import Abort, Admit, StepOutput, WorkerFailed
-
-if TYPE_CHECKING:
-    from scheduler.types import Chunk
 
 
 @dataclass
@@ -323,3 +321,29 @@ def test_close_with_a_drain_lets_what_is_being_admitted_run_and_cancels_the_queu
     h.settle()
     assert h.final(a).finish_reason == h.final(b).finish_reason == "length"  # type: ignore[union-attr]
     assert h.core.done and h.books.free == h.books.total
+
+
+@pytest.mark.anyio
+async def test_the_chunk_channel_keeps_order_ends_and_reports_a_gone_caller() -> None:
+    send, recv = chunk_channel()
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            got: list[int] = []
+
+            async def read() -> None:
+                while True:
+                    try:
+                        got.append((await recv.receive()).request_id)
+                    except anyio.EndOfStream:
+                        return
+
+            tg.start_soon(read)
+            await anyio.sleep(0.01)  # the reader waits first
+            for i in range(3):
+                send.send_nowait(Chunk(i, "", []))
+            send.close()
+        assert got == [0, 1, 2]
+    send2, recv2 = chunk_channel()
+    recv2.close()  # the caller left
+    with pytest.raises(anyio.BrokenResourceError):
+        send2.send_nowait(Chunk(0, "", []))
