@@ -275,3 +275,26 @@ def test_sigterm_under_load_ends_every_request_with_its_promised_answer(model_ca
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
     assert "Traceback" not in log and "Exception in ASGI" not in log and "Cancel" not in log, log
     assert "shutdown_grace_over" in log and "scheduler_closed" in log
+
+
+# ---- 1: a logged exception shows no frame's locals -------------------------------------------
+def test_logged_tracebacks_show_no_locals() -> None:
+    import io
+
+    import structlog
+
+    from metrics import configure_logging
+
+    out = io.StringIO()
+    configure_logging("console", "info", stream=out)
+    try:
+        body = {"prompt": SECRET}  # a local of the failing frame, as a request body would be
+        try:
+            raise ValueError(f"bad request of {len(body)} fields")
+        except ValueError:
+            structlog.get_logger("test").exception("request_failed", request_id="r1")
+    finally:
+        structlog.reset_defaults()
+    text = out.getvalue()
+    assert "request_failed" in text and "ValueError" in text and "Traceback" in text, text
+    assert SECRET not in text, text
