@@ -249,22 +249,31 @@ async def oversized(srv: Server, n: int = 4, rounds: int = 3, mb: int = 10) -> d
             "rss_after_each_round_mib": after, "rss_after_mib": srv.rss_mib()}
 
 
-async def sigterm(srv: Server, streams: int = 100, whole: int = 20, tokens: int = 512) -> dict[str, Any]:
-    """SIGTERM once every request is in; count what each client got."""
+async def sigterm(srv: Server, streams: int = 100, whole: int = 20, tokens: int = 512,
+                  stuck: int = 10) -> dict[str, Any]:
+    """SIGTERM once every request is in (and `stuck` streams nobody reads have filled their
+    sockets); count what each client got."""
     body = stream_body(tokens)
+    stalled = [asyncio.ensure_future(fetch(srv.port, request("/v1/completions", stream_body(2000)),
+                                           read=1, every=3600.0)) for _ in range(stuck)]
+    await asyncio.sleep(8.0)  # the unread streams fill their sockets and the server's buffers
     tasks = [asyncio.ensure_future(fetch(srv.port, request("/v1/completions", body))) for _ in range(streams)]
     tasks += [asyncio.ensure_future(fetch(srv.port, request("/v1/completions", {**body, "stream": False})))
               for _ in range(whole)]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         s = (await health(srv.port))["stats"]
-        if s["running"] + s["waiting"] >= streams + whole:
+        if s["running"] + s["waiting"] >= streams + whole + stuck:
             break
         await asyncio.sleep(0.1)
     t0 = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
     answers = await asyncio.gather(*tasks, return_exceptions=True)
     await asyncio.to_thread(srv.proc.wait, 120)
+    exit_s = time.monotonic() - t0
+    for task in stalled:  # these clients never read, so they cannot tell; the server's log can
+        task.cancel()
+    await asyncio.gather(*stalled, return_exceptions=True)
     kinds: dict[str, int] = {}
     for a in answers:
         if isinstance(a, BaseException):
@@ -277,7 +286,10 @@ async def sigterm(srv: Server, streams: int = 100, whole: int = 20, tokens: int 
             k = a[:40].decode(errors="replace")
         kinds[k] = kinds.get(k, 0) + 1
     log = srv.log()
-    return {"outcomes": kinds, "exit_s": time.monotonic() - t0, "exit_code": srv.proc.returncode,
+    kinds["unread_streams_disconnected"] = int(
+        re.search(r"shutdown_disconnecting\S*\s+\S*connections\S*=\S*?(\d+)", log).group(1)  # type: ignore[union-attr]
+        if "shutdown_disconnecting" in log else 0)
+    return {"outcomes": kinds, "exit_s": exit_s, "exit_code": srv.proc.returncode,
             "tracebacks": log.count("Traceback"), "asgi_exceptions": log.count("Exception in ASGI")}
 
 

@@ -235,7 +235,7 @@ def test_streams_nobody_reads_finish_in_the_scheduler(server: Server) -> None:
 
 # ---- 3: SIGTERM under load, at a short grace period ------------------------------------------
 def test_sigterm_under_load_ends_every_request_with_its_promised_answer(model_cache: Path, tmp_path: Path) -> None:
-    extra = "[worker]\nmax_batch = 8\n"  # 12 streams + 6 whole requests: some run, some queue
+    extra = "[worker]\nmax_batch = 8\n"  # 14 streams + 6 whole requests: some run, some queue
     with serve(model_cache, tmp_path, extra, "--shutdown-timeout", "1") as s:
         long = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True}
 
@@ -254,11 +254,20 @@ def test_sigterm_under_load_ends_every_request_with_its_promised_answer(model_ca
             with httpx.Client(timeout=60) as c:
                 return c.post(f"{s.url}/v1/completions", json=long)
 
+        stuck = []  # two more streams nobody reads: their sockets fill up
+        for _ in range(2):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", s.port))
+            data = json.dumps({**long, "stream": True}).encode()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(data), data))
+            stuck.append(sock)
         with ThreadPoolExecutor(18) as pool:
             streams = [pool.submit(stream) for _ in range(12)]
             wholes = [pool.submit(whole) for _ in range(6)]
             deadline = time.monotonic() + 60
-            while (stats := s.health()["stats"])["running"] + stats["waiting"] < 18:
+            while (stats := s.health()["stats"])["running"] + stats["waiting"] < 20:
                 assert time.monotonic() < deadline, stats
                 time.sleep(0.1)
             s.proc.send_signal(signal.SIGTERM)
@@ -269,6 +278,9 @@ def test_sigterm_under_load_ends_every_request_with_its_promised_answer(model_ca
             answers = [f.result(timeout=30) for f in wholes]
         assert s.proc.wait(timeout=30) == -signal.SIGTERM  # uvicorn re-raises it once shut down
         log = s.log(wait=1.0)
+        for sock in stuck:
+            with sock:
+                assert b"HTTP/1.1 200" in read_all(sock, 10)  # then closed by the server
     for events in ends:
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down", events[-3:]
     for r in answers:

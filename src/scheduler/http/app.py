@@ -149,8 +149,9 @@ class _OpenAI:
                 log.debug("client_disconnected", request_id=rid)
                 return Response(status_code=499, headers=headers)  # nginx's code; only logs see it
             except Exception as exc:  # the HTTP boundary: a bug answers 500, the server keeps serving
-                # No traceback: its frames' locals hold the body. The class and id find the bug.
+                # No traceback: its frames' locals hold the body. Class, frames and sizes only.
                 log.error("request_failed", request_id=rid, path=request.url.path,
+                          body_bytes=request.headers.get("content-length"),
                           error=type(exc).__name__, where=_where(exc))
                 return internal(rid).response(headers)
 
