@@ -310,3 +310,38 @@ def test_logged_tracebacks_show_no_locals() -> None:
     text = out.getvalue()
     assert "request_failed" in text and "ValueError" in text and "Traceback" in text, text
     assert SECRET not in text, text
+
+
+# ---- 3: a client that cannot take its final events is disconnected, not cancelled ------------
+def test_the_grace_period_ends_by_closing_the_scheduler_then_disconnecting_stuck_clients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    import uvicorn
+
+    from scheduler.http import limits
+    from scheduler.http.shutdown import Gate
+
+    class Transport:
+        aborted = False
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    class Stuck:  # a connection whose socket is full: its task waits in uvicorn's drain()
+        transport = Transport()
+
+    class Sched:
+        closed = False
+
+        async def aclose(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(limits, "FLUSH_S", 0.05)
+    gate, sched, stuck = Gate(), Sched(), Stuck()
+    gate.scheduler = sched  # type: ignore[assignment]
+    server = limits.GracefulServer(uvicorn.Config(lambda *a: None), gate, grace_s=0.05)
+    server.server_state.connections.add(stuck)  # type: ignore[arg-type]
+    asyncio.run(server._deadline())
+    assert gate.closing and sched.closed and stuck.transport.aborted
