@@ -345,3 +345,41 @@ def test_the_grace_period_ends_by_closing_the_scheduler_then_disconnecting_stuck
     server.server_state.connections.add(stuck)  # type: ignore[arg-type]
     asyncio.run(server._deadline())
     assert gate.closing and sched.closed and stuck.transport.aborted
+
+
+# ---- 2: long prompts are tokenized on at most `tokenize_threads` threads, off the loop --------
+def test_long_prompts_tokenize_off_the_loop_on_bounded_threads() -> None:
+    from types import SimpleNamespace
+
+    import anyio
+
+    from scheduler.http.prompts import INLINE_CHARS, Tokenizing
+
+    loop_thread = threading.get_ident()
+    lock = threading.Lock()
+    seen = {"now": 0, "peak": 0, "on_loop": 0}
+
+    def encode(text: str) -> list[int]:
+        with lock:
+            seen["now"] += 1
+            seen["peak"] = max(seen["peak"], seen["now"])
+            seen["on_loop"] += threading.get_ident() == loop_thread
+        time.sleep(0.05)
+        with lock:
+            seen["now"] -= 1
+        return [1] * (len(text) // 4)
+
+    tokenizer = SimpleNamespace(get_vocab=lambda: {"abcd": 0, "e": 1})
+    sched = SimpleNamespace(model=SimpleNamespace(
+        codec=SimpleNamespace(encode=encode, tokenizer=tokenizer),
+        info=SimpleNamespace(context_length=4096)))
+    tokens = Tokenizing(threads=2)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            for _ in range(6):
+                tg.start_soon(tokens.encode, sched, "x" * (INLINE_CHARS + 1))  # type: ignore[arg-type]
+
+    anyio.run(main)
+    assert seen["peak"] == 2 and seen["on_loop"] == 0, seen
+    assert tokens.max_chars(sched) == 4096 * 4  # type: ignore[arg-type]

@@ -10,13 +10,11 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from scheduler.http.bodies import MAX_BODY_BYTES
 from scheduler.http.errors import ApiError, invalid
 from scheduler.params import SamplingParams
 
 T = TypeVar("T")
 
-__all__ = ["MAX_BODY_BYTES", "ChatRequest", "CompletionRequest", "decode"]
 MAX_USER_CHARS = 256  # the scheduler's limit on a tenant name
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; above it sampling is noise and slow (issue 18)
 MIN_TEMPERATURE = 1e-2  # vLLM's floor: a smaller positive temperature overflows the logits
