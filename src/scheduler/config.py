@@ -109,6 +109,23 @@ class KVPoolSection(_Section):
     """Keep full prompt blocks and reuse them for prompts that start with the same tokens."""
 
 
+class ServerSection(_Section):
+    """`[server]`: limits of `mlx-scheduler serve` against slow, idle and hostile clients."""
+
+    header_timeout_s: PositiveFloat = 10.0
+    """A connection must finish sending its request line and headers within this (slowloris)."""
+    body_timeout_s: PositiveFloat = 30.0
+    """The whole request body must arrive within this, counted from the end of the headers: 408."""
+    keep_alive_s: PositiveFloat = 5.0
+    """An idle keep-alive connection is closed after this."""
+    max_connections: PositiveInt = 1024
+    """Open connections at most; the next one gets a 503 `too_many_connections` and is closed."""
+    tokenize_threads: PositiveInt = 2
+    """Long prompts and chat templates run on at most this many threads at once, off the loop."""
+    shutdown_timeout_s: NonNegativeFloat = 10.0
+    """On SIGINT/SIGTERM, seconds in-flight requests get to finish (`--shutdown-timeout`)."""
+
+
 class LoggingSection(_Section):
     format: Literal["console", "json"] = "console"
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -119,6 +136,7 @@ class SchedulerConfig(_Section):
     scheduler: SchedulingSection = msgspec.field(default_factory=SchedulingSection)
     worker: WorkerSection = msgspec.field(default_factory=WorkerSection)
     kvpool: KVPoolSection = msgspec.field(default_factory=KVPoolSection)
+    server: ServerSection = msgspec.field(default_factory=ServerSection)
     logging: LoggingSection = msgspec.field(default_factory=LoggingSection)
 
     def __post_init__(self) -> None:
