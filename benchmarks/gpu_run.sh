@@ -17,6 +17,10 @@
 #               with CUDA graphs on and off
 #   settings-8b the settings stage's decode steps for a random llama-3.1-8B bf16 shape (built
 #               first, ~105 s), graphs on and off
+# Time limits: LIMIT_S (any stage), SETTINGS_S, SINGLE_S, SETTINGS8B_S. The 2026-11-23 run used
+# LIMIT_S=90 SETTINGS_S=110 SINGLE_S=40 SETTINGS8B_S=150 in one 590 s call, too little for quant,
+# single (its peers.py runs build a no-EOS copy first), ops250 and settings-8b: give each of those
+# 150-300 s.
 # Writes JSON and a log under $OUT (or benchmarks/results/gpu).
 set -uo pipefail
 out=${OUT:-benchmarks/results/gpu}
