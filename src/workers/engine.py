@@ -16,6 +16,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_samp
 
 from workers.budget import PrefillBudget
 from workers.kvstore import KVStore, LayerKV, common_prefix, is_plain_kv
+from workers.maskfree import MaskFreeDecode
 from workers.messages import Admit, Key, SamplingSpec
 
 Sampler = Callable[[mx.array], mx.array]
@@ -106,6 +107,7 @@ class MLXEngine:
         prefill_step: int,
         step_token_budget: int | str = "auto",
         block_tokens: int = 256,
+        mask_free: bool = True,
     ) -> None:
         self._vocab_size = vocab_size
         # Prefix blocks and sessions need caches this store can slice and rebuild.
@@ -130,6 +132,7 @@ class MLXEngine:
         )
         # mlx-lm is only partly typed; the generator is used through its documented methods.
         self._gen: Any = BatchGenerator(model, **self._batching)
+        self.mask_free = MaskFreeDecode(mask_free)
         self._rid_of: dict[int, int] = {}
         self._uid_of: dict[int, int] = {}
         self._samplers: dict[SamplingSpec, Sampler | None] = {}
@@ -257,6 +260,7 @@ class MLXEngine:
         )
         counters = gen._counters
         before = counters.prompt_tokens
+        self.mask_free.before_step(gen)
         _, responses = gen.next()
         prefilled = counters.prompt_tokens - before
         rids: list[int] = []
@@ -294,6 +298,7 @@ class MLXEngine:
 
     def reset(self) -> None:
         self.close()
+        self.mask_free.reset()
         mx.clear_cache()
         self._gen = BatchGenerator(self._model, **self._batching)
 

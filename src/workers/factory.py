@@ -9,6 +9,7 @@ import mlx.core as mx
 import msgspec
 from mlx_lm.models.cache import KVCache
 
+from workers.cuda import apply_cuda_defaults
 from workers.engine import Engine, MLXEngine
 from workers.models import ModelInfo, load_model, model_info
 
@@ -58,6 +59,7 @@ def mlx_engine_factory(
     """A factory to call on the worker thread (MLX streams are thread-local)."""
 
     def build() -> tuple[Engine, Loaded]:
+        apply_cuda_defaults()  # before the model's first GPU use: MLX reads them once
         model, tokenizer = load_model(path, cache_dir)
         info = model_info(model, tokenizer, path)
         engine = MLXEngine(
