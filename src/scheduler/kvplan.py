@@ -12,7 +12,7 @@ from array import array
 from typing import TYPE_CHECKING, Literal
 
 from kvpool.books import blocks_for
-from kvpool.dense import padding_blocks
+from kvpool.dense import LayerBytes, padding_blocks
 from kvpool.pool import pool_blocks
 from scheduler.config import memory_spec
 from scheduler.errors import ConfigError
@@ -43,6 +43,29 @@ def pool_size(section: KVPoolSection, info: ModelInfo, device_memory: int | None
     return blocks
 
 
+def layer_bytes(info: ModelInfo) -> LayerBytes:
+    """`info`'s layers as the books charge them: full attention per token, sliding layers per
+    token up to their window, recurrent state per row."""
+    size = _DTYPE_BYTES.get(info.dtype, 4)
+    full = 0
+    sliding: dict[int, int] = {}
+    row = 0
+    for layer in info.layers:
+        per_token = layer.kv_heads * layer.head_dim * 2 * size
+        if layer.kind == "full":
+            full += per_token
+        elif layer.kind == "sliding":
+            sliding[layer.window] = sliding.get(layer.window, 0) + per_token
+        else:
+            row += layer.state_bytes
+    if not info.layers:  # a model described without its caches: every layer full attention
+        full = info.kv_bytes_per_token
+    return LayerBytes(info.kv_bytes_per_token, full, tuple(sorted(sliding.items())), row)
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
 def _system_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -67,9 +90,18 @@ class KVPlan:
     """The rules of one pool: block size, mode and the dense batch cache's rounding."""
 
     def __init__(
-        self, *, mode: Mode, block_tokens: int, blocks_total: int, watermark: float, dense_step: int
+        self,
+        *,
+        mode: Mode,
+        block_tokens: int,
+        blocks_total: int,
+        watermark: float,
+        dense_step: int,
+        layers: LayerBytes | None = None,
     ) -> None:
         self.mode = mode
+        self.layers = layers
+        """The model's layers by kind (`layer_bytes`); None books every layer as full attention."""
         self.block_tokens = block_tokens
         self.blocks_total = blocks_total
         self.dense_step = dense_step
@@ -92,7 +124,7 @@ class KVPlan:
         return final if self.mode == "reserve" else length
 
     def padding(self, rows: Iterable[int], held: int) -> int:
-        return padding_blocks(rows, held, self.block_tokens, self.dense_step)
+        return padding_blocks(rows, held, self.block_tokens, self.dense_step, self.layers)
 
     def alone(self, tokens: int) -> int:
         """Blocks a lone row of `tokens` tokens costs (what must fit in the pool at all)."""
