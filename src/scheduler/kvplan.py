@@ -7,6 +7,7 @@ The admission actor asks this module what to reserve; the pool keeps the books.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from array import array
 from typing import TYPE_CHECKING, Literal
@@ -28,19 +29,34 @@ Mode = Literal["reserve", "on-demand"]
 
 def pool_size(section: KVPoolSection, info: ModelInfo, device_memory: int | None) -> int:
     """Blocks in the pool: `[kvpool] memory` (bytes, or a fraction of the device's memory, else
-    of the machine's) less the weights. `ConfigError` naming `kvpool.memory` if not one fits."""
+    of the machine's) less the weights. `ConfigError` naming `kvpool.memory`, and how much memory
+    the model needs, if not one block fits."""
     size, fraction = memory_spec(section.memory)
+    source = ""
     if size is None:
         assert fraction is not None
-        size = int((device_memory or _system_memory()) * fraction)
+        total = device_memory or _system_memory()
+        size = int(total * fraction)
+        where = "the device's memory" if device_memory else "the machine's RAM"
+        source = f" ({fraction:g} of {where}, {_human(total)})"
+    block = section.block_tokens * info.kv_bytes_per_token
     blocks = pool_blocks(size - info.weights_bytes, section.block_tokens, info.kv_bytes_per_token)
     if blocks < 1:
+        need = info.weights_bytes + block
+        hint = f"kvpool.memory = {need}" if fraction is None else (
+            f"kvpool.memory = {math.ceil(need / total * 100) / 100:g}" if need <= total
+            else "a device with more memory, or a smaller (quantized) model")
         raise ConfigError(
-            f"kvpool.memory: {size} bytes less the model's weights ({info.weights_bytes} bytes) "
-            f"holds no block of {section.block_tokens} tokens at {info.kv_bytes_per_token} bytes "
-            "per token; raise it"
+            f"kvpool.memory: {size} bytes{source} less the model's weights ({info.weights_bytes} "
+            f"bytes) holds no block of {section.block_tokens} tokens at {info.kv_bytes_per_token} "
+            f"bytes per token; the model needs at least {need} bytes ({_human(need)}: its weights "
+            f"and one block); use {hint}"
         )
     return blocks
+
+
+def _human(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def layer_bytes(info: ModelInfo) -> LayerBytes:
