@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
@@ -33,6 +34,15 @@ def test_gemma3_layers_and_shape_with_or_without_text_config(model_cache: Path, 
     assert (info.vocab_size, info.context_length, info.dtype) == (1024, 4096, "float32")
     # The unit of the books is the full-attention layers' token: 2 layers x 2 heads x 32 x K,V x 4.
     assert info.kv_bytes_per_token == 2 * 2 * 32 * 2 * 4
+
+
+def test_a_quantized_model_books_its_kv_in_the_activation_dtype(model_cache: Path) -> None:
+    path = layered_models.build("gemma3", model_cache, dtype="bfloat16")
+    model, tokenizer = mlx_lm.load(str(path))
+    nn.quantize(model, group_size=32, bits=4)  # as mlx_lm.convert -q does
+    info = model_info(model, tokenizer, path)
+    assert info.dtype == "bfloat16" and info.kv_bytes_per_token == 2 * 2 * 32 * 2 * 2
+    assert [c.kind for c in info.layers] == ["sliding", "sliding", "full"] * 2
 
 
 def test_recurrent_layers_carry_their_state_size(model_cache: Path) -> None:
