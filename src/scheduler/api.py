@@ -22,7 +22,7 @@ from scheduler.errors import (
     SchedulerClosed,
     SchedulerError,
 )
-from scheduler.kvplan import KVPlan, pool_size
+from scheduler.kvplan import KVPlan, layer_bytes, pool_size
 from scheduler.messages import Cancel, Close, DropSession, Submit, SubmitEnvelope
 from scheduler.policy import make_policy
 from scheduler.stream import RequestStream
@@ -117,6 +117,7 @@ class Scheduler:
             plan = KVPlan(
                 mode=c.kvpool.mode, block_tokens=c.kvpool.block_tokens, blocks_total=blocks,
                 watermark=c.kvpool.watermark, dense_step=loaded.dense_step,
+                layers=layer_bytes(info),
             )
             self._admission = Admission(
                 policy=policy,

@@ -93,12 +93,18 @@ class WorkerSection(_Section):
     """After a failed step: a fresh BatchGenerator serves the queue, or the scheduler closes."""
 
 
+DEFAULT_MEMORY = 0.8
+"""Weights and KV books within 80% of the device's memory: the rest is for activations, the
+batch cache's brief copy when a row joins, and MLX's buffer cache (vLLM's default is 0.9)."""
+
+
 class KVPoolSection(_Section):
     block_tokens: PositiveInt = 256
     """Tokens per KV block: the unit of the books and of prefix reuse."""
-    memory: str | float = "2GiB"
+    memory: str | float = DEFAULT_MEMORY
     """Memory for the model: bytes as "2GiB", "512MB", an integer; or a fraction in (0, 1] of the
-    device's memory. The weights are subtracted; the rest is the KV budget."""
+    device's memory (Metal: its recommended working set; CUDA: its total memory; CPU backend: the
+    machine's RAM). The weights are subtracted; the rest is the KV budget."""
     mode: Literal["reserve", "on-demand"] = "reserve"
     """"reserve": a request holds blocks for prompt + max_tokens from admission, never preempted.
     "on-demand": the prompt's blocks plus one, more as it grows; when blocks run out, the

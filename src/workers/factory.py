@@ -39,7 +39,7 @@ class Loaded(msgspec.Struct, frozen=True):
     info: ModelInfo
     codec: Any
     device_memory: int | None = None
-    """Bytes of memory the MLX device reports (None on the CPU backend)."""
+    """Bytes of memory the MLX device offers (`device_memory`; None on the CPU backend)."""
     dense_step: int = 1
     """The engine's batch cache grows its buffer by this many tokens at a time (mlx-lm: 256)."""
     kv_reuse: bool = False
@@ -81,9 +81,10 @@ def mlx_engine_factory(
 
 
 def device_memory() -> int | None:
-    """What MLX reports as the device's memory size, where the backend reports it."""
+    """The memory a model may use on MLX's device, where the backend says: on Metal the
+    recommended working set (what mlx-lm wires), on CUDA the device's total memory."""
     info = mx.device_info()
-    for key in ("total_memory", "memory_size"):
+    for key in ("max_recommended_working_set_size", "total_memory", "memory_size"):
         value = info.get(key)
         if isinstance(value, int) and value > 0:
             return value
