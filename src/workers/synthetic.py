@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -65,10 +64,16 @@ class SyntheticSpec:
     tie_word_embeddings: bool = True
     rope_scaling: tuple[tuple[str, float | str], ...] | None = None
     head_dim: int | None = None
+    extra: tuple[tuple[str, Any], ...] = ()
+    """Further config.json keys the architecture needs (sliding windows, experts, layer types)."""
+    text_config: bool = False
+    """Nest the text model's keys under `text_config`, as multimodal checkpoints do (gemma3)."""
 
     def config(self, eos_token_ids: list[int], pad_token_id: int) -> dict[str, Any]:
         """The config.json contents."""
         cfg = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        del cfg["extra"], cfg["text_config"]
+        cfg.update(dict(self.extra))
         cfg.update(
             architectures=[_ARCHITECTURES.get(self.model_type, "ForCausalLM")],
             rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None,
@@ -80,6 +85,13 @@ class SyntheticSpec:
         )
         if self.model_type == "llama":
             cfg.update(attention_bias=False, mlp_bias=False)
+        if self.text_config:
+            outer = ("architectures", "torch_dtype", "eos_token_id", "pad_token_id", "bos_token_id")
+            text = {k: v for k, v in cfg.items() if k not in outer}
+            text["model_type"] = f"{self.model_type}_text"
+            cfg = {k: cfg[k] for k in outer} | {
+                "model_type": self.model_type, "vocab_size": self.vocab_size, "text_config": text,
+            }
         return cfg
 
 
@@ -192,9 +204,11 @@ def write_model(spec: SyntheticSpec, seed: int, out: Path, name: str = "") -> No
 
 def _parameter_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes, from mlx-lm's own class for the architecture."""
-    module = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
-    args = module.ModelArgs.from_dict(spec.config([0], 0))
-    model = module.Model(args)  # lazily initialised: nothing is computed here
+    from mlx_lm.utils import _get_classes  # resolves aliases such as mistral -> llama
+
+    config = spec.config([0], 0)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))  # lazily initialised: nothing is computed here
     flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     return {k: tuple(v.shape) for k, v in flat}
 
