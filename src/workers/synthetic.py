@@ -125,6 +125,40 @@ SIZES: dict[str, SyntheticSpec] = {
             ("original_max_position_embeddings", 8192), ("rope_type", "llama3"),
         ),
     ),
+    # The real shapes of Qwen3-0.6B (every layer full attention) and Gemma-3-1B (5 of every 6
+    # layers a 512-token sliding window), random weights: about 1.2 and 2.0 GB to build.
+    "qwen3-0.6b": SyntheticSpec(
+        model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, intermediate_size=3072, vocab_size=151936,
+        max_position_embeddings=40960, dtype="bfloat16", rope_theta=1e6, rms_norm_eps=1e-6,
+        head_dim=128,
+    ),
+    "gemma-3-1b": SyntheticSpec(
+        model_type="gemma3_text", hidden_size=1152, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, intermediate_size=6912, vocab_size=262144,
+        max_position_embeddings=32768, dtype="bfloat16", rope_theta=1e6, rms_norm_eps=1e-6,
+        head_dim=256, extra=(
+            ("sliding_window", 512), ("sliding_window_pattern", 6),
+            ("query_pre_attn_scalar", 256), ("rope_local_base_freq", 10000.0),
+        ),
+    ),
+    # A small Qwen3-Next-style hybrid: 3 of every 4 layers linear attention (a fixed recurrent
+    # state per row, mlx-lm's ArraysCache), the 4th full attention. Dense MLPs in every layer:
+    # MLX's CPU backend has no bfloat16 expert matmul (GatherMM). ~19 MB.
+    "qwen3-next-small": SyntheticSpec(
+        model_type="qwen3_next", hidden_size=256, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=2, intermediate_size=512, vocab_size=4096,
+        max_position_embeddings=32768, dtype="bfloat16", rope_theta=1e7, rms_norm_eps=1e-6,
+        head_dim=64, tie_word_embeddings=False, extra=(
+            ("linear_num_value_heads", 8), ("linear_num_key_heads", 4),
+            ("linear_key_head_dim", 64), ("linear_value_head_dim", 64),
+            ("linear_conv_kernel_dim", 4), ("full_attention_interval", 4),
+            ("num_experts", 8), ("num_experts_per_tok", 2), ("decoder_sparse_step", 1),
+            ("mlp_only_layers", tuple(range(8))), ("moe_intermediate_size", 128),
+            ("shared_expert_intermediate_size", 256), ("norm_topk_prob", True),
+            ("partial_rotary_factor", 0.25),
+        ),
+    ),
 }
 # fmt: on
 
@@ -210,7 +244,9 @@ def _parameter_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))  # lazily initialised: nothing is computed here
     flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
-    return {k: tuple(v.shape) for k, v in flat}
+    # Tied checkpoints carry no lm_head; classes such as gemma3's make one and drop it on load.
+    tied = spec.tie_word_embeddings
+    return {k: tuple(v.shape) for k, v in flat if not (tied and k.endswith("lm_head.weight"))}
 
 
 def _plan_shards(shapes: dict[str, tuple[int, ...]], dtype_size: int) -> Iterator[list[str]]:
