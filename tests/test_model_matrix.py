@@ -22,7 +22,7 @@ from mlx_lm.utils import _get_classes
 from structlog.testing import capture_logs
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
-from tests.matrix_models import MatrixModel, build, matrix
+from tests.matrix_models import WINDOW, MatrixModel, build, matrix
 from tests.test_kvpool import assert_idle, run_all
 from tests.test_metrics import parse, value
 from workers import synthetic
@@ -165,3 +165,24 @@ async def test_the_small_hybrid_serves_sessions(model_cache: Path, anyio_backend
     assert turn1.token_ids == alone(model, tokenizer, prompt, FIRST_TURN)[:24]
     assert turn2.token_ids == alone(model, tokenizer, second, SHORT)
     assert (st.session_hits, st.session_fallbacks, st.prefix_cache_available) == (1, 0, False)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_window_that_has_not_rotated_trims(model_cache: Path, anyio_backend: str) -> None:
+    """A session shorter than the sliding window: its rotating cache trims like a KVCache, so a
+    diverging turn continues from the shared part instead of prefilling cold."""
+    entry = next(e for e in matrix() if e.name == "gemma3_text")
+    directory = build(entry, model_cache)
+    model, tokenizer = mlx_lm.load(str(directory))
+    rng = random.Random(15)
+    prompt = tokens(8, rng)
+    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with anyio.fail_after(120):
+        async with Scheduler(config(directory)) as s:
+            turn1 = await s.complete(prompt, short, session="w")
+            second = prompt + turn1.token_ids[:3] + tokens(6, rng)  # 17 + 8 tokens: < WINDOW
+            turn2 = await s.complete(second, short, session="w")
+            st = s.stats()
+    assert len(second) + 8 < WINDOW
+    assert turn2.token_ids == alone(model, tokenizer, second, short)
+    assert (st.session_hits, st.session_fallbacks) == (1, 0)

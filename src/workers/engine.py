@@ -38,8 +38,8 @@ class StepResult(NamedTuple):
     active_bytes: int = 0
     """The backend's active memory after the step (0: not measured)."""
     session_fallbacks: int = 0
-    """Session turns since the last step whose prompt diverged from a kept cache that cannot be
-    trimmed, so they prefilled cold."""
+    """Session turns inserted since the last step that could not continue their kept KV (see
+    `SchedulerStats.session_fallbacks`) and prefill cold."""
 
 
 class Engine(Protocol):
@@ -183,8 +183,8 @@ class MLXEngine:
                     for c in cache if cut else ():  # recurrent caches have no trim() at all
                         c.trim(cut)
                     return prompt[n:], cache, prompt[:n]
-            # A sliding window that rotated or a recurrent state cannot forget tokens (or the
-            # last turn's KV could not be kept): this turn prefills cold.
+            # A rotated window or a recurrent state cannot forget tokens, the prompt shares none,
+            # or the last turn's KV was not kept: this turn prefills cold.
             self._fallbacks += 1
         if admit.prefix and self.support.prefix_blocks:
             blocks, built = store.prefix_cache(admit.prefix)
