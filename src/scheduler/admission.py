@@ -270,6 +270,7 @@ class Admission:
         c.steps, c.engine_batch = max(c.steps, out.step), out.held
         if out.active_bytes:
             c.active_bytes = out.active_bytes
+        c.session_fallbacks += out.session_fallbacks
         for rid in out.aborted:
             await self._dropped_by_worker(rid)
         for key, size in reversed(out.stored):  # a chain leaf first: its root stays longest

@@ -110,6 +110,11 @@ class Scheduler:
                 raise ModelLoadError(str(exc)) from exc.__cause__
             self._loaded = loaded
             info = loaded.info
+            if loaded.prefix_unavailable:
+                log.warning("prefix_cache_unavailable", model=info.name, reason=loaded.prefix_unavailable)
+            if not loaded.sessions:
+                log.warning("session_cache_unavailable", model=info.name,
+                            reason="a layer's cache class cannot be extracted from a batch")
             blocks = pool_size(c.kvpool, info, loaded.device_memory)
             self._pool = Pool(BlockBooks(blocks, c.kvpool.block_tokens,
                                          c.kvpool.block_tokens * info.kv_bytes_per_token))
@@ -289,6 +294,8 @@ class Scheduler:
             preemptions=c.preemptions, evictions=s.evictions, cache_entries=s.cache_entries,
             prefix_queries=c.prefix_queries, prefix_query_tokens=c.prefix_query_tokens,
             prefix_hit_tokens=c.prefix_hit_tokens, session_hits=c.session_hits,
+            session_fallbacks=c.session_fallbacks,
+            prefix_cache_available=self._loaded is None or not self._loaded.prefix_unavailable,
         )
 
     async def drop_session(self, session: str) -> bool:

@@ -43,7 +43,11 @@ class Loaded(msgspec.Struct, frozen=True):
     dense_step: int = 1
     """The engine's batch cache grows its buffer by this many tokens at a time (mlx-lm: 256)."""
     kv_reuse: bool = False
-    """Whether the engine can keep and reuse prefix blocks and session caches."""
+    """Whether the engine can keep and reuse prefix blocks."""
+    sessions: bool = False
+    """Whether the engine can keep a session's caches and continue from them."""
+    prefix_unavailable: str = ""
+    """Why prefix blocks cannot work with this model's caches ("" when they can)."""
 
 
 def mlx_engine_factory(
@@ -73,7 +77,8 @@ def mlx_engine_factory(
         )
         loaded = Loaded(
             info, TokenizerCodec(tokenizer), device_memory(), dense_step=KVCache.step,
-            kv_reuse=engine.reuses_kv,
+            kv_reuse=engine.reuses_kv, sessions=engine.support.sessions,
+            prefix_unavailable=engine.support.reason,
         )
         return engine, loaded
 
