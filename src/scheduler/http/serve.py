@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from scheduler.argtypes import port, seconds
+from scheduler.argtypes import port, positive_int, seconds
 
 if TYPE_CHECKING:
     import argparse
@@ -36,11 +36,20 @@ def add_serve_command(
                    help="run on trio, served by hypercorn (default: asyncio, served by uvicorn)")
     p.add_argument("--shutdown-timeout", type=seconds, default=10.0, metavar="S",
                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish (default: 10)")
+    p.add_argument("--replicas", type=positive_int, metavar="N",
+                   help="N scheduler replicas on Ray Serve behind this port (needs the [cluster] extra; "
+                   "default: [cluster] replicas, 1: this process)")
     return p
 
 
 def serve(args: argparse.Namespace, config: SchedulerConfig) -> None:
     """Run the server until SIGINT or SIGTERM."""
+    replicas = getattr(args, "replicas", None) or config.cluster.replicas
+    if replicas > 1:
+        from scheduler.cluster import serve_replicas
+
+        serve_replicas(args, config, replicas)
+        return
     try:
         from scheduler.http.app import create_app
     except ImportError as exc:
