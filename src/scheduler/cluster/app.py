@@ -73,7 +73,7 @@ def build(config: SchedulerConfig, replicas: int, model_name: str | None = None,
     return frontend.bind(backend, config, model_name)
 
 
-def start_ray(config: SchedulerConfig, replicas: int) -> None:
+def start_ray(config: SchedulerConfig, replicas: int, *, log_to_driver: bool = True) -> None:
     """Join `[cluster] address`, or start a local Ray on 127.0.0.1 with no dashboard."""
     import ray
 
@@ -84,7 +84,7 @@ def start_ray(config: SchedulerConfig, replicas: int) -> None:
     cpus = max(os.cpu_count() or 1, int(replicas * config.cluster.num_cpus + 0.999))
     resources = {"mlx": float(replicas)} if sys.platform == "darwin" else {}
     ray.init(num_cpus=cpus, resources=resources, include_dashboard=False, namespace=APP_NAME,
-             _node_ip_address="127.0.0.1", configure_logging=False)
+             _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=log_to_driver)
 
 
 def run(config: SchedulerConfig, replicas: int, host: str, port: int, model_name: str | None,

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("scheduler.cluster")
 REPLICA_HEADER = "x-replica"
+OPENING_TRIES = 3
 
 
 def replica_failed(replica: str, exc: BaseException) -> ApiError:
@@ -190,14 +191,18 @@ class Frontend:
 
     async def _run(self, rid: str, job: Job, streaming: bool, render: Callable[[Chunk], list[bytes]],
                    whole: Callable[[rs.Head, str, Chunk], msgspec.Struct]) -> Response:
-        gen = self._backend.options(stream=True).generate.remote(job)
-        replica = "unknown"
-        try:
-            opening = await gen.__anext__()
-            replica = str(opening[1])
-        except Exception as exc:
-            gen.cancel()
-            raise replica_failed(replica, exc) from None
+        for attempt in range(OPENING_TRIES):
+            # A replica that died before its first word produced nothing: try the survivors.
+            gen = self._backend.options(stream=True).generate.remote(job)
+            try:
+                opening = await gen.__anext__()
+                break
+            except Exception as exc:
+                gen.cancel()
+                log.warning("replica_failed", request_id=rid, attempt=attempt, error=repr(exc))
+                if attempt == OPENING_TRIES - 1:
+                    raise replica_failed("unknown", exc) from None
+        replica = str(opening[1])
         stream = RemoteStream(gen, replica)
         headers = {"x-request-id": rid, REPLICA_HEADER: replica}
         try:

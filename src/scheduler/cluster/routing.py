@@ -151,7 +151,7 @@ def choose(
                 return ranked(least, "guard", matched)
             return ranked(best, "prefix", matched)
     a, b = (rng or random.Random()).sample(list(replicas), 2)
-    return ranked(a if (a.load, a.id) <= (b.load, b.id) else b, "p2c")
+    return ranked(a if a.load <= b.load else b, "p2c")  # a tie goes to the random first draw
 
 
 def overloaded(chosen: Load, least: Load, limits: Thresholds) -> bool:
