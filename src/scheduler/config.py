@@ -125,6 +125,9 @@ class ClusterSection(_Section):
     """With device "cuda": a fraction below 1 lets replicas share a GPU (host-bound small models)."""
     max_ongoing_requests: PositiveInt = 1024
     """Requests Serve lets one replica hold; beyond, the scheduler's own queue answers 429."""
+    routing: Literal["cache-aware", "power-of-two"] = "cache-aware"
+    """"cache-aware": session, then prefix affinity under the load guard, then power-of-two
+    choices; "power-of-two": load only (the baseline `benchmarks/cluster.py` compares against)."""
     balance_abs_threshold: Annotated[int, msgspec.Meta(ge=0)] = 16
     balance_rel_threshold: Annotated[float, msgspec.Meta(ge=1)] = 1.5
     """Load guard: prefix affinity yields to the least-loaded replica when the chosen one has

@@ -56,7 +56,7 @@ def build(config: SchedulerConfig, replicas: int, model_name: str | None = None,
         request_router_kwargs={
             "balance_abs": c.balance_abs_threshold, "balance_rel": c.balance_rel_threshold,
             "prefix_min_blocks": c.prefix_min_blocks, "remembered_blocks": c.remembered_blocks,
-            "probe_deadline_s": c.probe_deadline_s,
+            "probe_deadline_s": c.probe_deadline_s, "policy": c.routing,
         },
         request_routing_stats_period_s=c.stats_period_s,
         request_routing_stats_timeout_s=max(c.stats_period_s, 1.0),

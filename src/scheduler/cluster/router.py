@@ -31,6 +31,7 @@ class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped he
         self.request_replica: dict[str, str] = {}
         self.reasons: dict[str, int] = {}
         self.rng = random.Random()
+        self.load_only = kwargs.get("policy") == "power-of-two"
         # Serve pickles this module by value: the registry lives in `routing`, shared by import.
         routing.ROUTERS.append(self)
 
@@ -43,6 +44,8 @@ class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped he
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = [self._load(rid, r) for rid, r in by_id.items()]
         route = _route(pending_request)
+        if self.load_only:
+            route = Route(target=route.target)
         decision = choose(loads, route, self.affinity, self.limits, self.rng)
         self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
         return [[by_id[i] for i in rank if i in by_id] for rank in decision.ranked]
