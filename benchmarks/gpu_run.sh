@@ -9,6 +9,11 @@
 #               take minutes per level: one request at a time)
 #   attribute   benchmarks/overhead.py --attribute at 64: where our time per step goes, and the
 #               ratio without the lag ticker (not a default stage)
+#   cluster     benchmarks/cluster.py --parts b: tokens/s on 1 and on 2 Ray Serve replicas sharing
+#               the GPU (qwen2.5-0.5b only: its step is host-bound). Not a default stage; needs
+#               ray[serve] (the cluster extra) and its dependencies staged too: add them to
+#               ../shared/gpu/stage's extra requirements (Ray's wheel alone is ~70 MB, over one
+#               call's carry: split it as the CUDA half is).
 # Writes JSON and a log under $OUT (or benchmarks/results/gpu).
 set -uo pipefail
 out=${OUT:-benchmarks/results/gpu}
@@ -47,6 +52,11 @@ for s in "${stages[@]}"; do
       attribute)
         timeout "$limit" python3 -P benchmarks/overhead.py --model "synthetic:$m" --concurrency 64 \
           --prompt-tokens 128 --max-tokens 64 --waves 4 --warmup 1 --attribute --out "$out/attribute-$m.json" ;;
+      cluster)
+        [ "$m" = qwen2.5-0.5b ] || continue
+        timeout "$limit" python3 -P benchmarks/cluster.py --parts b --model "synthetic:$m" --device cuda \
+          --gpus-per-replica 0.5 --cpus-per-replica 4 --max-batch 128 --tp-requests ${TP_REQUESTS:-256} \
+          --tp-prompt-tokens 128 --tp-max-tokens 64 --tp-memory 16GiB --out "$out/cluster-$m.json" ;;
       *) echo "unknown stage $s" ;;
     esac
     echo "=== $(date +%T) done $s synthetic:$m rc=$?"

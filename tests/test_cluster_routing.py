@@ -130,3 +130,21 @@ def test_prometheus_text_labelled_and_merged() -> None:
     reqs = merged.index("# TYPE reqs counter")
     assert merged[reqs + 1 : reqs + 3] == ['reqs{replica="r1"} 3', 'reqs{replica="r2"} 3']
     assert label_replica('x{} 1\n', 'q"') == 'x{replica="q\\""} 1\n'
+
+
+def test_replicas_without_the_extra_say_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from scheduler.cli import build_parser
+    from scheduler.cluster import serve_replicas
+
+    args = build_parser().parse_args(["serve", "--replicas", "2", "--model", "synthetic:tiny"])
+    assert args.replicas == 2
+    monkeypatch.setitem(sys.modules, "ray.serve", None)  # as if the cluster extra were missing
+    with pytest.raises(SystemExit, match=r"needs the cluster extra: pip install 'mlx-scheduler\[cluster\]'"):
+        serve_replicas(args, SchedulerConfig(), 2)
+    trio = build_parser().parse_args(["serve", "--replicas", "2", "--trio"])
+    with pytest.raises(SystemExit, match="--trio serves one process"):
+        serve_replicas(trio, SchedulerConfig(), 2)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--replicas", "0"])

@@ -40,11 +40,12 @@ if TYPE_CHECKING:
 log = structlog.get_logger("scheduler.cluster")
 REPLICA_HEADER = "x-replica"
 OPENING_TRIES = 3
+REPLICA_FAILED = -1  # the request id of the error chunk that stands for a dead replica
 
 
-def replica_failed(replica: str, exc: BaseException) -> ApiError:
-    return ApiError(503, f"replica {replica} failed while serving this request "
-                    f"({type(exc).__name__}); retry: the others keep serving",
+def replica_failed(replica: str, why: str = "its process died") -> ApiError:
+    return ApiError(503, f"replica {replica} failed while serving this request ({why}); "
+                    "retry: the other replicas keep serving",
                     type="service_unavailable", code="replica_failed")
 
 
@@ -82,7 +83,7 @@ class RemoteStream:
         except Exception as exc:  # the replica's process died or its actor failed
             self._ended = True
             log.error("replica_failed", replica=self.replica, error=repr(exc))
-            return Chunk(-1, "", [], "error", error=f"replica {self.replica} failed: {exc!r}")
+            return Chunk(REPLICA_FAILED, "", [], "error", error=f"replica {self.replica} failed: {exc!r}")
         if item[0] == "error":
             self._ended = True
             raise _scheduler_error(item[1], item[2])
@@ -90,6 +91,15 @@ class RemoteStream:
         if chunk.finish_reason is not None:
             self._ended = True
         return chunk
+
+
+class ClusterEventStream(EventStream):
+    """`EventStream`, whose error event names the replica when it is the replica that failed."""
+
+    def _failure(self, chunk: Chunk) -> bytes:
+        if chunk.request_id == REPLICA_FAILED:
+            return replica_failed(self.headers.get(REPLICA_HEADER, "unknown")).event()
+        return super()._failure(chunk)
 
 
 def _scheduler_error(kind: str, message: str) -> errors.SchedulerError:
@@ -201,7 +211,7 @@ class Frontend:
                 gen.cancel()
                 log.warning("replica_failed", request_id=rid, attempt=attempt, error=repr(exc))
                 if attempt == OPENING_TRIES - 1:
-                    raise replica_failed("unknown", exc) from None
+                    raise replica_failed("unknown", type(exc).__name__) from None
         replica = str(opening[1])
         stream = RemoteStream(gen, replica)
         headers = {"x-request-id": rid, REPLICA_HEADER: replica}
@@ -211,7 +221,7 @@ class Frontend:
             await stream.aclose()
             raise
         if streaming:
-            response = EventStream(cast("RequestStream", stream), first, render, rid)
+            response = ClusterEventStream(cast("RequestStream", stream), first, render, rid)
             response.headers[REPLICA_HEADER] = replica
             return response
         text, last = [first.text], first
@@ -220,8 +230,8 @@ class Frontend:
                 last = await stream.__anext__()
                 text.append(last.text)
         if last.finish_reason == "error":
-            if last.request_id == -1:
-                raise replica_failed(replica, RuntimeError(last.error))
+            if last.request_id == REPLICA_FAILED:
+                raise replica_failed(replica)
             log.error("request_failed", request_id=rid, error=last.error)
             raise internal(rid)
         if last.finish_reason == "cancelled":
