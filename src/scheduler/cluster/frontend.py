@@ -49,6 +49,11 @@ def replica_failed(replica: str, why: str = "its process died") -> ApiError:
                     type="service_unavailable", code="replica_failed")
 
 
+def starting() -> ApiError:
+    return ApiError(503, "the server is starting: its replicas are loading the model; retry shortly",
+                    type="service_unavailable", code="starting", headers={"retry-after": "1"})
+
+
 class RemoteStream:
     """A replica's `generate` stream as the `RequestStream` that `EventStream` reads. A replica
     that dies mid-stream ends it with an "error" chunk naming the replica: no hang."""
@@ -112,24 +117,35 @@ def _scheduler_error(kind: str, message: str) -> errors.SchedulerError:
 class Frontend:
     """The ingress deployment (one replica): `__call__` takes every HTTP request."""
 
-    async def __init__(  # type: ignore[misc]  # Serve awaits it
-        self, backend: DeploymentHandle, config: SchedulerConfig, model_name: str | None,
-    ) -> None:
+    def __init__(self, backend: DeploymentHandle, config: SchedulerConfig, model_name: str | None) -> None:
+        self._backend = backend
+        self._closing = False
+        self._inflight = 0
+        self._created = int(time.time())
+        self._model_name = model_name or config.model.path
+        self._context = self._block_tokens = 0
+        self._codec: Any = None
+        # Up at once, answering 503 until the tokenizer and a replica are ready: no refused or
+        # hanging connections while the replicas load the model.
+        self._ready = asyncio.get_running_loop().create_task(self._start(config, model_name))
+
+    async def _start(self, config: SchedulerConfig, model_name: str | None) -> None:
         from mlx_lm.utils import load_tokenizer
 
         from workers.factory import TokenizerCodec
         from workers.models import resolve_model
 
-        self._backend = backend
-        self._closing = False
-        self._inflight = 0
-        self._created = int(time.time())
         path = await anyio.to_thread.run_sync(resolve_model, config.model.path, config.model.cache_dir)
         self._codec = TokenizerCodec(await anyio.to_thread.run_sync(load_tokenizer, path))
-        info = await backend.info.remote()
+        info = await self._backend.info.remote()
         self._context = int(info["context_length"])
         self._block_tokens = int(info["block_tokens"])
         self._model_name = model_name or str(info["name"])
+
+    def check_health(self) -> None:
+        """Serve's health check: a frontend that failed to start is restarted."""
+        if self._ready.done() and self._ready.exception() is not None:
+            raise RuntimeError(f"the frontend failed to start: {self._ready.exception()!r}")
 
     async def drain(self, timeout: float) -> int:
         """503 for new requests from now; wait up to `timeout` for those in flight. Returns how
@@ -156,6 +172,8 @@ class Frontend:
                 raise not_found(f"{request.method} {request.url.path}: Not Found")
             if self._closing:
                 raise closing_error()
+            if not self._ready.done() or self._ready.exception() is not None:
+                raise starting()
             self._inflight += 1
             try:
                 return cast("Response", await handler(request, rid))
