@@ -30,6 +30,7 @@ class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped he
         self.inflight: dict[str, int] = {}
         self.request_replica: dict[str, str] = {}
         self.reasons: dict[str, int] = {}
+        self.reported: dict[str, dict[str, Any]] = {}
         self.rng = random.Random()
         self.load_only = kwargs.get("policy") == "power-of-two"
         # Serve pickles this module by value: the registry lives in `routing`, shared by import.
@@ -52,10 +53,10 @@ class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped he
 
     def _load(self, rid: str, replica: RunningReplica) -> Load:
         stats = replica.routing_stats or {}
-        keys = stats.get("keys")
-        self.affinity.capacity(rid, int(stats.get("blocks", 0)))
-        if keys:
-            self.affinity.holds(rid, keys)
+        if self.reported.get(rid) is not stats:  # a new report: learn its keys once, not per request
+            self.reported[rid] = stats
+            self.affinity.capacity(rid, int(stats.get("blocks", 0)))
+            self.affinity.holds(rid, stats.get("keys") or ())
         load = max(self.inflight.get(rid, 0), int(stats.get("load", 0)))
         return Load(rid, load, int(stats.get("capacity", 1 << 30)))
 
@@ -78,6 +79,7 @@ class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped he
         rid = replica_id.unique_id
         self.affinity.forget(rid)
         self.inflight.pop(rid, None)
+        self.reported.pop(rid, None)
         log.warning("replica_died", replica=rid)
 
 
