@@ -148,3 +148,50 @@ def test_replicas_without_the_extra_say_what_to_install(monkeypatch: pytest.Monk
         serve_replicas(trio, SchedulerConfig(), 2)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--replicas", "0"])
+
+
+class FakeGenerator:
+    """A replica's `generate` stream as Serve hands it to the frontend (for RemoteStream)."""
+
+    def __init__(self, items: list[object], then: Exception | None = None) -> None:
+        self.items, self.then, self.cancelled = list(items), then, False
+
+    async def __anext__(self) -> object:
+        if self.items:
+            return self.items.pop(0)
+        if self.then is not None:
+            raise self.then
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_full_replica_queue_is_429_and_a_dead_replica_an_error_chunk() -> None:
+    from scheduler.cluster.frontend import REPLICA_FAILED, RemoteStream
+    from scheduler.errors import QueueFull
+    from scheduler.http.errors import from_scheduler
+    from scheduler.types import Chunk
+
+    full = RemoteStream(FakeGenerator([("error", "QueueFull", "the queue holds 8 requests")]), "r1")
+    with pytest.raises(QueueFull) as caught:
+        await full.__anext__()
+    answer = from_scheduler(caught.value, "req-1")
+    assert (answer.status, answer.body.code) == (429, "queue_full")
+
+    gen = FakeGenerator([("chunk", Chunk(1, "hi", [5]))], then=RuntimeError("ActorDiedError"))
+    async with RemoteStream(gen, "r2") as dying:
+        assert (await dying.__anext__()).text == "hi"
+        last = await dying.__anext__()
+        assert (last.request_id, last.finish_reason) == (REPLICA_FAILED, "error")
+        assert last.error is not None and "r2" in last.error
+        with pytest.raises(StopAsyncIteration):
+            await dying.__anext__()
+    assert not gen.cancelled  # it ended on its own: nothing left to cancel
+
+    live = FakeGenerator([("chunk", Chunk(1, "a", [5]))])
+    async with RemoteStream(live, "r3") as stream:
+        await stream.__anext__()
+    assert live.cancelled  # left before its end (a client gone): the replica's request is cancelled
