@@ -36,7 +36,7 @@ import httpx
 import msgspec
 
 from scheduler import Scheduler, SchedulerConfig
-from scheduler.cluster.app import APP_NAME, build, start_ray
+from scheduler.cluster.app import APP_NAME, deploy, pick_device, start_ray
 
 BASE = """
 [model]
@@ -116,12 +116,6 @@ async def counters(client: httpx.AsyncClient) -> tuple[int, int]:
             sum(r["stats"]["prefix_hit_tokens"] for r in body["replicas"]))
 
 
-def deploy(cfg: SchedulerConfig, replicas: int) -> None:
-    from ray import serve
-
-    serve.run(build(cfg, replicas, device=cfg.cluster.device), name=APP_NAME, route_prefix="/")
-
-
 async def part_a(args: argparse.Namespace, url: str, facts: tuple[int, int, int]) -> list[dict[str, Any]]:
     from ray import serve
 
@@ -131,7 +125,8 @@ async def part_a(args: argparse.Namespace, url: str, facts: tuple[int, int, int]
     rows: list[dict[str, Any]] = []
     variants = [("ours", 2, "cache-aware"), ("power-of-two", 2, "power-of-two"), ("one replica", 1, "cache-aware")]
     for name, replicas, routing in variants:
-        deploy(config(args, memory, routing), replicas)
+        cfg = config(args, memory, routing)
+        deploy(cfg, replicas, device=pick_device(cfg.cluster))
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:
             for ratio in args.ratios:
                 rng = random.Random(hash((ratio, 7)))  # the same prompts for every variant
@@ -168,7 +163,8 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
     rng = random.Random(3)
     prompts = [[rng.randrange(10, vocab) for _ in range(args.tp_prompt_tokens)] for _ in range(args.tp_requests)]
     for replicas in (1, 2):
-        deploy(config(args, args.tp_memory), replicas)
+        cfg = config(args, args.tp_memory)
+        deploy(cfg, replicas, device=pick_device(cfg.cluster))
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
             await run_all(client, prompts[: max(2, replicas * 2)], 4, args.tp_requests)  # warm-up
             t0 = time.perf_counter()

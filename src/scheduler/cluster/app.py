@@ -73,6 +73,16 @@ def build(config: SchedulerConfig, replicas: int, model_name: str | None = None,
     return frontend.bind(backend, config, model_name)
 
 
+def deploy(config: SchedulerConfig, replicas: int, model_name: str | None = None,
+           device: str = "cpu", timeout: float = 300) -> Any:
+    """Run the application and wait until its frontend serves: its handle."""
+    from ray import serve
+
+    handle = serve.run(build(config, replicas, model_name, device), name=APP_NAME, route_prefix="/")
+    handle.ready.remote().result(timeout_s=timeout)
+    return handle
+
+
 def start_ray(config: SchedulerConfig, replicas: int, *, log_to_driver: bool = True) -> None:
     """Join `[cluster] address`, or start a local Ray on 127.0.0.1 with no dashboard."""
     import ray
@@ -103,7 +113,7 @@ def run(config: SchedulerConfig, replicas: int, host: str, port: int, model_name
     try:
         serve.start(http_options={"host": host, "port": port})
         device = pick_device(config.cluster)
-        handle = serve.run(build(config, replicas, model_name, device), name=APP_NAME, route_prefix="/")
+        handle = deploy(config, replicas, model_name, device)
         log.info("cluster_serving", replicas=replicas, device=device, url=f"http://{host}:{port}")
         stop.wait()
         left = handle.drain.remote(shutdown_timeout).result(timeout_s=shutdown_timeout + 10)

@@ -142,6 +142,11 @@ class Frontend:
         self._block_tokens = int(info["block_tokens"])
         self._model_name = model_name or str(info["name"])
 
+    async def ready(self) -> bool:
+        """Wait until requests are served (`cluster.app.deploy` waits on it)."""
+        await asyncio.shield(self._ready)
+        return True
+
     def check_health(self) -> None:
         """Serve's health check: a frontend that failed to start is restarted."""
         if self._ready.done() and self._ready.exception() is not None:
@@ -279,9 +284,10 @@ class Frontend:
 
     async def _health(self, request: Request, rid: str) -> Response:
         replicas = [r for r in await self._fan_out("replica_stats") if isinstance(r, dict)]
-        routing = dict(ROUTERS[-1].reasons) if ROUTERS else {}
+        router = ROUTERS[-1] if ROUTERS else None
         body = {"status": "ok" if replicas else "starting", "model": self._model_name,
-                "replicas": replicas, "routing": routing}
+                "replicas": replicas, "routing": dict(router.reasons) if router else {},
+                "in_flight": dict(router.inflight) if router else {}}
         return Response(msgspec.json.encode(body), 200 if replicas else 503,
                         media_type="application/json")
 
