@@ -126,7 +126,7 @@ async def part_a(args: argparse.Namespace, url: str, facts: tuple[int, int, int]
     variants = [("ours", 2, "cache-aware"), ("power-of-two", 2, "power-of-two"), ("one replica", 1, "cache-aware")]
     for name, replicas, routing in variants:
         cfg = config(args, memory, routing)
-        deploy(cfg, replicas, device=pick_device(cfg.cluster))
+        await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster))
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:
             for ratio in args.ratios:
                 rng = random.Random(hash((ratio, 7)))  # the same prompts for every variant
@@ -164,7 +164,7 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
     prompts = [[rng.randrange(10, vocab) for _ in range(args.tp_prompt_tokens)] for _ in range(args.tp_requests)]
     for replicas in (1, 2):
         cfg = config(args, args.tp_memory)
-        deploy(cfg, replicas, device=pick_device(cfg.cluster))
+        await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster))
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
             await run_all(client, prompts[: max(2, replicas * 2)], 4, args.tp_requests)  # warm-up
             t0 = time.perf_counter()
