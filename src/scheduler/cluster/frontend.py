@@ -194,7 +194,7 @@ class Frontend:
 
     # ---- generation ---------------------------------------------------------------------------
     async def _completions(self, request: Request, rid: str) -> Response:
-        req = rq.decode(await request.body(), rq.CompletionRequest)
+        req = rq.decode(await _body(request), rq.CompletionRequest)
         rq.check_completion(req)
         prompt = rq.completion_prompt(req)
         ids = self._codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -205,7 +205,7 @@ class Frontend:
                                bool(req.stream), render, rs.completion)
 
     async def _chat(self, request: Request, rid: str) -> Response:
-        req = rq.decode(await request.body(), rq.ChatRequest)
+        req = rq.decode(await _body(request), rq.ChatRequest)
         rq.check_chat(req)
         messages = rq.chat_messages(req)
         try:
@@ -294,6 +294,14 @@ class Frontend:
     async def _metrics(self, request: Request, rid: str) -> Response:
         texts = [t for t in await self._fan_out("prometheus") if isinstance(t, str)]
         return Response(merge(texts), media_type=PROMETHEUS)
+
+
+async def _body(request: Request) -> bytes:
+    body = await request.body()  # the single-process server's limit, checked once it is read
+    if len(body) > rq.MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {rq.MAX_BODY_BYTES} bytes",
+                       type="invalid_request_error")
+    return body
 
 
 def _usage(req: rq.CompletionRequest | rq.ChatRequest) -> bool:
