@@ -21,6 +21,11 @@
 # LIMIT_S=90 SETTINGS_S=110 SINGLE_S=40 SETTINGS8B_S=150 in one 590 s call, too little for quant,
 # single (its peers.py runs build a no-EOS copy first), ops250 and settings-8b: give each of those
 # 150-300 s.
+#   cluster     benchmarks/cluster.py --parts b: tokens/s on 1 and on 2 Ray Serve replicas sharing
+#               the GPU (qwen2.5-0.5b only: its step is host-bound). Not a default stage; needs
+#               ray[serve] (the cluster extra) and its dependencies staged too: add them to
+#               ../shared/gpu/stage's extra requirements (Ray's wheel alone is ~70 MB, over one
+#               call's carry: split it as the CUDA half is).
 # Writes JSON and a log under $OUT (or benchmarks/results/gpu).
 set -uo pipefail
 out=${OUT:-benchmarks/results/gpu}
@@ -78,6 +83,11 @@ for s in "${stages[@]}"; do
         timeout "${SETTINGS8B_S:-$limit}" python3 -P benchmarks/cuda_settings.py --models llama-3.1-8b \
           --settings default graphs_off --streams --steps 20 --warmup-steps 5 --timeout 240 \
           --deadline "${SETTINGS8B_S:-$limit}" --out "$out/cuda_settings.json" ;;
+      cluster)
+        [ "$m" = qwen2.5-0.5b ] || continue
+        timeout "$limit" python3 -P benchmarks/cluster.py --parts b --model "synthetic:$m" --device cuda \
+          --gpus-per-replica 0.5 --cpus-per-replica 4 --max-batch 128 --tp-requests ${TP_REQUESTS:-256} \
+          --tp-prompt-tokens 128 --tp-max-tokens 64 --tp-memory 16GiB --out "$out/cluster-$m.json" ;;
       *) echo "unknown stage $s" ;;
     esac
     echo "=== $(date +%T) done $s synthetic:$m rc=$?"

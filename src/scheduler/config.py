@@ -132,6 +132,39 @@ class ServerSection(_Section):
     """On SIGINT/SIGTERM, seconds in-flight requests get to finish (`--shutdown-timeout`)."""
 
 
+class ClusterSection(_Section):
+    """`[cluster]`: `serve --replicas N` on Ray Serve (the `cluster` extra)."""
+
+    replicas: PositiveInt = 1
+    """Scheduler replicas, each in its own Ray actor process owning one device. 1: one process."""
+    address: str | None = None
+    """A Ray cluster to join ("auto", "ray://host:10001"); None starts a local one on 127.0.0.1."""
+    device: Literal["auto", "cpu", "cuda", "mlx"] = "auto"
+    """What each replica reserves: "cuda" num_gpus=1, "mlx" the custom resource `{"mlx": 1}` (Ray
+    does not see Apple GPUs), "cpu" `num_cpus` only; "auto": cuda if Ray sees GPUs, mlx on macOS."""
+    num_cpus: NonNegativeFloat = 1.0
+    """CPUs each replica reserves."""
+    gpus_per_replica: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    """With device "cuda": a fraction below 1 lets replicas share a GPU (host-bound small models)."""
+    max_ongoing_requests: PositiveInt = 1024
+    """Requests Serve lets one replica hold; beyond, the scheduler's own queue answers 429."""
+    routing: Literal["cache-aware", "power-of-two"] = "cache-aware"
+    """"cache-aware": session, then prefix affinity under the load guard, then power-of-two
+    choices; "power-of-two": load only (the baseline `benchmarks/cluster.py` compares against)."""
+    balance_abs_threshold: Annotated[int, msgspec.Meta(ge=0)] = 16
+    balance_rel_threshold: Annotated[float, msgspec.Meta(ge=1)] = 1.5
+    """Load guard: prefix affinity yields to the least-loaded replica when the chosen one has
+    more than `abs` requests over it and more than `rel` times its load."""
+    prefix_min_blocks: PositiveInt = 1
+    """Leading prompt blocks a replica must hold for prefix affinity to pick it."""
+    remembered_blocks: PositiveInt = 65536
+    """Block keys the router remembers per replica (also capped at the replica's pool size)."""
+    stats_period_s: PositiveFloat = 0.5
+    """How often Serve collects each replica's routing stats."""
+    probe_deadline_s: PositiveFloat = 1.0
+    """Serve's queue-length probe deadline (its default 0.1 s sent session turns elsewhere)."""
+
+
 class LoggingSection(_Section):
     format: Literal["console", "json"] = "console"
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -144,6 +177,7 @@ class SchedulerConfig(_Section):
     kvpool: KVPoolSection = msgspec.field(default_factory=KVPoolSection)
     server: ServerSection = msgspec.field(default_factory=ServerSection)
     logging: LoggingSection = msgspec.field(default_factory=LoggingSection)
+    cluster: ClusterSection = msgspec.field(default_factory=ClusterSection)
 
     def __post_init__(self) -> None:
         policy = self.scheduler.policy

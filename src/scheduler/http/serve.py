@@ -13,7 +13,7 @@ import anyio
 import msgspec
 import structlog
 
-from scheduler.argtypes import port, seconds
+from scheduler.argtypes import port, positive_int, seconds
 
 if TYPE_CHECKING:
     import argparse
@@ -43,11 +43,20 @@ def add_serve_command(
     p.add_argument("--shutdown-timeout", type=seconds, default=None, metavar="S",
                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish; then each "
                         "gets a 503 or an error event (default: [server] shutdown_timeout_s, 10)")
+    p.add_argument("--replicas", type=positive_int, metavar="N",
+                   help="N scheduler replicas on Ray Serve behind this port (needs the [cluster] extra; "
+                   "default: [cluster] replicas, 1: this process)")
     return p
 
 
 def serve(args: argparse.Namespace, config: SchedulerConfig) -> None:
     """Run the server until SIGINT or SIGTERM."""
+    replicas = getattr(args, "replicas", None) or config.cluster.replicas
+    if replicas > 1:
+        from scheduler.cluster import serve_replicas
+
+        serve_replicas(args, config, replicas)
+        return
     try:
         from scheduler.http.app import create_app
     except ImportError as exc:
