@@ -28,8 +28,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from workers.decode import FastDecodeModel, install_fast_decode
 from workers.models import load_model
+
+# The compiled-decode experiment lives beside this script (also when run with `python -P`).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fast_decode import FastDecodeModel, install_fast_decode  # noqa: E402
 
 VARIANTS = ("base", "fast")
 BANDWIDTH = 3.35e12  # H100 SXM HBM3, bytes/s

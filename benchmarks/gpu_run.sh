@@ -9,6 +9,23 @@
 #               take minutes per level: one request at a time)
 #   attribute   benchmarks/overhead.py --attribute at 64: where our time per step goes, and the
 #               ratio without the lag ticker (not a default stage)
+# Issue 15's stages (not default; `bash benchmarks/gpu_run.sh quant settings single settings-8b`):
+#   quant       benchmarks/cuda_settings.py --quant: an 8B layer's matmuls, bf16 against 4-bit
+#   settings    benchmarks/cuda_settings.py: CUDA graphs on/off, ops per graph; bare decode step
+#               (masked, mask-free) and bare loop / scheduler tok/s at 1 8 64 256 streams
+#   single      benchmarks/peers.py at 1 stream (bare, scheduler, sequential stream_generate),
+#               with CUDA graphs on and off
+#   settings-8b the settings stage's decode steps for a random llama-3.1-8B bf16 shape (built
+#               first, ~105 s), graphs on and off
+# Time limits: LIMIT_S (any stage), SETTINGS_S, SINGLE_S, SETTINGS8B_S. The 2026-11-23 run used
+# LIMIT_S=90 SETTINGS_S=110 SINGLE_S=40 SETTINGS8B_S=150 in one 590 s call, too little for quant,
+# single (its peers.py runs build a no-EOS copy first), ops250 and settings-8b: give each of those
+# 150-300 s.
+#   cluster     benchmarks/cluster.py --parts b: tokens/s on 1 and on 2 Ray Serve replicas sharing
+#               the GPU (qwen2.5-0.5b only: its step is host-bound). Not a default stage; needs
+#               ray[serve] (the cluster extra) and its dependencies staged too: add them to
+#               ../shared/gpu/stage's extra requirements (Ray's wheel alone is ~70 MB, over one
+#               call's carry: split it as the CUDA half is).
 # Writes JSON and a log under $OUT (or benchmarks/results/gpu).
 set -uo pipefail
 out=${OUT:-benchmarks/results/gpu}
@@ -47,6 +64,30 @@ for s in "${stages[@]}"; do
       attribute)
         timeout "$limit" python3 -P benchmarks/overhead.py --model "synthetic:$m" --concurrency 64 \
           --prompt-tokens 128 --max-tokens 64 --waves 4 --warmup 1 --attribute --out "$out/attribute-$m.json" ;;
+      quant)
+        [ "$m" = "${models[0]}" ] || continue
+        timeout "$limit" python3 -P benchmarks/cuda_settings.py --models --settings default graphs_off \
+          --quant --batches 1 8 64 --out "$out/cuda_settings.json" ;;
+      settings)
+        timeout "${SETTINGS_S:-$limit}" python3 -P benchmarks/cuda_settings.py --models "synthetic:$m" \
+          --settings ${SETTINGS:-default graphs_off ops250} --deadline "${SETTINGS_S:-$limit}" \
+          --steps 30 --warmup-steps 5 --max-tokens ${MAX_TOKENS:-32} --out "$out/cuda_settings.json" ;;
+      single)
+        for g in 1 0; do
+          MLX_USE_CUDA_GRAPHS=$g timeout "${SINGLE_S:-$limit}" python3 -P benchmarks/peers.py --model "synthetic:$m" \
+            --concurrency 1 --warmup 1 --repeat ${REPEAT:-1} --backends bare scheduler sequential \
+            --out "$out/single-$m-graphs$g.json" | grep -E "^ +1 |^c=1"
+        done ;;
+      settings-8b)
+        [ "$m" = "${models[0]}" ] || continue
+        timeout "${SETTINGS8B_S:-$limit}" python3 -P benchmarks/cuda_settings.py --models llama-3.1-8b \
+          --settings default graphs_off --streams --steps 20 --warmup-steps 5 --timeout 240 \
+          --deadline "${SETTINGS8B_S:-$limit}" --out "$out/cuda_settings.json" ;;
+      cluster)
+        [ "$m" = qwen2.5-0.5b ] || continue
+        timeout "$limit" python3 -P benchmarks/cluster.py --parts b --model "synthetic:$m" --device cuda \
+          --gpus-per-replica 0.5 --cpus-per-replica 4 --max-batch 128 --tp-requests ${TP_REQUESTS:-256} \
+          --tp-prompt-tokens 128 --tp-max-tokens 64 --tp-memory 16GiB --out "$out/cluster-$m.json" ;;
       *) echo "unknown stage $s" ;;
     esac
     echo "=== $(date +%T) done $s synthetic:$m rc=$?"

@@ -14,16 +14,20 @@ setting under test; a table, JSON (`--out`) and a PNG with a panel per part (`--
     concurrency (stats() polled every `--poll-ms`), tokens/s, preemptions, exactly one final
     chunk per request, identical token ids in both modes; and MLX's active memory less the
     weights against the books' kv_bytes while requests wait for memory.
+(d) Books per layer kind (`benchmarks/kv_layers.py`): a gemma3_text-style (sliding window) and a
+    qwen3_next-style (recurrent) model, on demand with a binding budget: MLX's memory over the
+    books with the books per layer kind against every layer charged as full attention.
 (c) Sessions: a `--turns`-turn conversation (turn k = turn k-1's prompt + its output + ~64 new
     tokens; greedy, `--c-max-tokens`) with `session=` on every turn, without it, and without it
     and without the prefix cache: per-turn TTFT, identical outputs, session hits.
 
-    python benchmarks/kv_pool.py [--model synthetic:small] [--parts a,b,c] [--quick]
+    python benchmarks/kv_pool.py [--model synthetic:small] [--parts a,b,c,d] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import time
@@ -465,11 +469,20 @@ def plot(out: dict[str, Any], path: Path) -> None:
     print(f"wrote {path}")
 
 
+def _kv_layers() -> Any:
+    """benchmarks/kv_layers.py, beside this script (run as a file, not a package)."""
+    spec = importlib.util.spec_from_file_location("kv_layers", Path(__file__).with_name("kv_layers.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="synthetic:small")
     ap.add_argument("--cache-dir", default=None, help="where synthetic models are built")
-    ap.add_argument("--parts", default="a,b,c", help="comma list of a, b, c")
+    ap.add_argument("--parts", default="a,b,c,d", help="comma list of a, b, c, d")
     ap.add_argument("--quick", action="store_true", help="small counts: a smoke run well under a minute")
     ap.add_argument("--block-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -490,6 +503,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="random stop token ids, at most 16 (with EOS they set the mean output length)")
     g.add_argument("--stop-strings", default="", help="comma list of stop strings (shorter outputs)")
     g.add_argument("--poll-ms", type=float, default=5.0)
+    g = ap.add_argument_group("(d) books per layer kind")
+    g.add_argument("--d-requests", type=int, default=48)
+    g.add_argument("--d-budget-mib", type=float, default=3.0)
     g = ap.add_argument_group("(c) sessions")
     g.add_argument("--turns", type=int, default=10)
     g.add_argument("--user-tokens", type=int, default=64)
@@ -500,10 +516,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.users, args.system_tokens, args.a_max_tokens = 16, 512, 8
         args.requests, args.budget_mib, args.max_batch, args.b_max_tokens = 32, 3.0, 64, 256
-        args.turns = 4
+        args.turns, args.d_requests = 4, 12
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    if not parts or any(p not in ("a", "b", "c") for p in parts):
-        ap.error(f"--parts: a comma list of a, b, c; got {args.parts!r}")
+    if not parts or any(p not in ("a", "b", "c", "d") for p in parts):
+        ap.error(f"--parts: a comma list of a, b, c, d; got {args.parts!r}")
     configure_logging(level="warning")
 
     from workers.models import load_model, model_info
@@ -523,7 +539,12 @@ def main(argv: list[str] | None = None) -> None:
         out["b"] = part_b(args, vocab, info.weights_bytes)
     if "c" in parts:
         out["c"] = part_c(args, vocab)
+    layers = _kv_layers() if "d" in parts else None
+    if layers is not None:
+        out["d"] = layers.part_d(args.cache_dir, args.d_requests, args.d_budget_mib, args.seed)
     print_table(args, out)
+    if layers is not None:
+        layers.print_d(out["d"], args.d_requests, args.d_budget_mib)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)

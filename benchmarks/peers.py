@@ -195,6 +195,13 @@ def print_table(rows: list[dict[str, object]]) -> None:
         print(f"{r['concurrency']:>4} {r['backend']:<{w}} {r['tok_s']:>8.1f} {ratio:>7} "
               f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f} {r['itl_p50_ms']:>8.1f} "
               f"{r['itl_p99_ms']:>8.1f} {r['output_tokens']:>7}")
+    seq = {r["concurrency"]: r for r in rows if r["backend"] == "sequential"}
+    for ours in (r for r in rows if str(r["backend"]).startswith("scheduler") and r["concurrency"] == 1):
+        one = seq.get(1)
+        if one is not None and float(one["tok_s"]) > 0:  # one user: mlx-lm's own speed is the bar
+            print(f"c=1: {ours['backend']} / sequential stream_generate: throughput "
+                  f"x{float(ours['tok_s']) / float(one['tok_s']):.2f} (goal >= 0.95), TTFT p50 "
+                  f"x{float(ours['ttft_p50_ms']) / float(one['ttft_p50_ms']):.2f} (goal <= 1.10)")
     peer = {r["concurrency"]: r for r in rows if r["backend"] == "mlx_lm.server"}
     for ours in (r for r in rows if str(r["backend"]).startswith("scheduler")):
         other = peer.get(ours["concurrency"])

@@ -35,6 +35,7 @@ def test_quick_run(tmp_path: Path, model_cache: Path, capsys: pytest.CaptureFixt
                 "--out", str(out), "--png", str(png)])
     printed = capsys.readouterr().out
     assert "(a) prefix reuse" in printed and "(b) memory modes" in printed and "(c) sessions" in printed
+    assert "(d) books per layer kind" in printed
     results: dict[str, Any] = json.loads(out.read_text())["results"]
     a, b, c = results["a"], results["b"], results["c"]
     for run in a["runs"].values():
@@ -50,6 +51,10 @@ def test_quick_run(tmp_path: Path, model_cache: Path, capsys: pytest.CaptureFixt
     assert c["summary"]["outputs_identical"]
     assert c["runs"]["session"]["session_hits"] == len(c["runs"]["session"]["turns"]) - 1
     assert c["runs"]["session"]["dropped"] is True
+    for model in results["d"].values():
+        assert model["outputs_identical"]
+        for run in model["runs"].values():
+            assert (run["lost"], run["idle_blocks_used"]) == (0, 0)
     if png.exists():  # matplotlib is optional
         assert png.stat().st_size > 0
 

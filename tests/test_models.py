@@ -18,7 +18,14 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from workers import synthetic
-from workers.models import ModelInfo, ModelSourceError, load_model, model_info, resolve_model
+from workers.models import (
+    LayerCache,
+    ModelInfo,
+    ModelSourceError,
+    load_model,
+    model_info,
+    resolve_model,
+)
 
 Loaded = tuple[Any, Any, Path]
 
@@ -126,6 +133,7 @@ def test_tiny_loads_with_the_expected_info(tiny: Loaded) -> None:
         kv_bytes_per_token=2 * 2 * 16 * 2 * 4,
         weights_bytes=sum(w.nbytes for w in weights.values()),
         eos_token_ids=(0, 2),
+        layers=(LayerCache("full", "KVCache", kv_heads=2, head_dim=16),) * 2,
     )
     assert tokenizer.convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     assert tokenizer.eos_token == tokenizer.pad_token == "<|endoftext|>"

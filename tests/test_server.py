@@ -300,6 +300,8 @@ async def test_internal_failures_are_500_with_a_request_id(model_cache: Path, mo
     rid = crashed.headers["x-request-id"]
     assert crashed.status_code == 500 and rid in crashed.json()["error"]["message"]
     assert any(e["event"] == "request_failed" and e["request_id"] == rid for e in logs)
+    failure = next(e for e in logs if e["event"] == "request_failed")  # class and frames, no locals
+    assert failure["error"] == "ZeroDivisionError" and "<lambda>" in failure["where"] and "exc_info" not in failure
     assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
     ev = events(failed_stream.text)
     assert ev[0]["choices"][0]["text"] == "partial" and ev[1]["error"]["code"] == "internal_error"

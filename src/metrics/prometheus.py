@@ -104,6 +104,12 @@ class GaugeSource(Protocol):
     @property
     def session_hits(self) -> int: ...
 
+    @property
+    def session_fallbacks(self) -> int: ...
+
+    @property
+    def prefix_cache_available(self) -> bool: ...
+
 
 class SchedulerMetrics:
     """Observer + collector. Call the observer methods from one thread (the event loop); scrape
@@ -241,12 +247,16 @@ class SchedulerMetrics:
             ("kv_cache_budget_bytes", "The KV budget: [kvpool] memory less the weights.",
              stats.kv_budget_bytes),
             ("mlx_active_bytes", "MLX's active memory after the last step.", stats.active_bytes),
+            ("prefix_cache_available", "1 when the model's caches can share prefix blocks, 0 when "
+             "they cannot (sliding-window or recurrent layers).", int(stats.prefix_cache_available)),
         ):
             yield GaugeMetricFamily(f"{p}_{name}", doc, value=value)
         for name, doc, value in (
             ("kv_cache_evictions", "Prefix blocks and session caches evicted to make room.",
              stats.evictions),
             ("session_cache_hits", "Requests that continued a session's cached KV.", stats.session_hits),
+            ("session_cache_fallbacks", "Session turns that diverged from a cache that cannot be "
+             "trimmed (or whose KV was not kept) and prefilled cold.", stats.session_fallbacks),
         ):
             yield CounterMetricFamily(f"{p}_{name}", doc, value=value)
 

@@ -24,7 +24,7 @@ from scheduler.errors import (
     SchedulerClosed,
     SchedulerError,
 )
-from scheduler.kvplan import KVPlan, pool_size
+from scheduler.kvplan import KVPlan, layer_bytes, pool_size
 from scheduler.messages import Cancel, Close, DropSession, Submit, SubmitEnvelope
 from scheduler.policies import make_policy
 from scheduler.stream import RequestStream
@@ -113,12 +113,18 @@ class Scheduler:
                 raise ModelLoadError(str(exc)) from exc.__cause__
             self._loaded = loaded
             info = loaded.info
+            if loaded.prefix_unavailable:
+                log.warning("prefix_cache_unavailable", model=info.name, reason=loaded.prefix_unavailable)
+            if not loaded.sessions:
+                log.warning("session_cache_unavailable", model=info.name,
+                            reason="a layer's cache class cannot be extracted from a batch")
             blocks = pool_size(c.kvpool, info, loaded.device_memory)
             self._pool = Pool(BlockBooks(blocks, c.kvpool.block_tokens,
                                          c.kvpool.block_tokens * info.kv_bytes_per_token))
             plan = KVPlan(
                 mode=c.kvpool.mode, block_tokens=c.kvpool.block_tokens, blocks_total=blocks,
                 watermark=c.kvpool.watermark, dense_step=loaded.dense_step,
+                layers=layer_bytes(info),
             )
             self._admission = Admission(
                 policy=policy,
@@ -298,6 +304,8 @@ class Scheduler:
             preemptions=c.preemptions, evictions=s.evictions, cache_entries=s.cache_entries,
             prefix_queries=c.prefix_queries, prefix_query_tokens=c.prefix_query_tokens,
             prefix_hit_tokens=c.prefix_hit_tokens, session_hits=c.session_hits,
+            session_fallbacks=c.session_fallbacks,
+            prefix_cache_available=self._loaded is None or not self._loaded.prefix_unavailable,
         )
 
     async def drop_session(self, session: str) -> bool:

@@ -93,12 +93,18 @@ class WorkerSection(_Section):
     """After a failed step: a fresh BatchGenerator serves the queue, or the scheduler closes."""
 
 
+DEFAULT_MEMORY = 0.8
+"""Weights and KV books within 80% of the device's memory: the rest is for activations, the
+batch cache's brief copy when a row joins, and MLX's buffer cache (vLLM's default is 0.9)."""
+
+
 class KVPoolSection(_Section):
     block_tokens: PositiveInt = 256
     """Tokens per KV block: the unit of the books and of prefix reuse."""
-    memory: str | float = "2GiB"
+    memory: str | float = DEFAULT_MEMORY
     """Memory for the model: bytes as "2GiB", "512MB", an integer; or a fraction in (0, 1] of the
-    device's memory. The weights are subtracted; the rest is the KV budget."""
+    device's memory (Metal: its recommended working set; CUDA: its total memory; CPU backend: the
+    machine's RAM). The weights are subtracted; the rest is the KV budget."""
     mode: Literal["reserve", "on-demand"] = "reserve"
     """"reserve": a request holds blocks for prompt + max_tokens from admission, never preempted.
     "on-demand": the prompt's blocks plus one, more as it grows; when blocks run out, the
@@ -107,6 +113,56 @@ class KVPoolSection(_Section):
     """On-demand: the fraction of blocks an admission must leave free, for running requests to grow."""
     prefix_cache: bool = True
     """Keep full prompt blocks and reuse them for prompts that start with the same tokens."""
+
+
+class ServerSection(_Section):
+    """`[server]`: limits of `mlx-scheduler serve` against slow, idle and hostile clients."""
+
+    header_timeout_s: PositiveFloat = 10.0
+    """A connection must finish sending its request line and headers within this (slowloris)."""
+    body_timeout_s: PositiveFloat = 30.0
+    """The whole request body must arrive within this, counted from the end of the headers: 408."""
+    keep_alive_s: PositiveFloat = 5.0
+    """An idle keep-alive connection is closed after this."""
+    max_connections: PositiveInt = 1024
+    """Open connections at most; the next one gets a 503 `too_many_connections` and is closed."""
+    tokenize_threads: PositiveInt = 2
+    """Long prompts and chat templates run on at most this many threads at once, off the loop."""
+    shutdown_timeout_s: NonNegativeFloat = 10.0
+    """On SIGINT/SIGTERM, seconds in-flight requests get to finish (`--shutdown-timeout`)."""
+
+
+class ClusterSection(_Section):
+    """`[cluster]`: `serve --replicas N` on Ray Serve (the `cluster` extra)."""
+
+    replicas: PositiveInt = 1
+    """Scheduler replicas, each in its own Ray actor process owning one device. 1: one process."""
+    address: str | None = None
+    """A Ray cluster to join ("auto", "ray://host:10001"); None starts a local one on 127.0.0.1."""
+    device: Literal["auto", "cpu", "cuda", "mlx"] = "auto"
+    """What each replica reserves: "cuda" num_gpus=1, "mlx" the custom resource `{"mlx": 1}` (Ray
+    does not see Apple GPUs), "cpu" `num_cpus` only; "auto": cuda if Ray sees GPUs, mlx on macOS."""
+    num_cpus: NonNegativeFloat = 1.0
+    """CPUs each replica reserves."""
+    gpus_per_replica: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    """With device "cuda": a fraction below 1 lets replicas share a GPU (host-bound small models)."""
+    max_ongoing_requests: PositiveInt = 1024
+    """Requests Serve lets one replica hold; beyond, the scheduler's own queue answers 429."""
+    routing: Literal["cache-aware", "power-of-two"] = "cache-aware"
+    """"cache-aware": session, then prefix affinity under the load guard, then power-of-two
+    choices; "power-of-two": load only (the baseline `benchmarks/cluster.py` compares against)."""
+    balance_abs_threshold: Annotated[int, msgspec.Meta(ge=0)] = 16
+    balance_rel_threshold: Annotated[float, msgspec.Meta(ge=1)] = 1.5
+    """Load guard: prefix affinity yields to the least-loaded replica when the chosen one has
+    more than `abs` requests over it and more than `rel` times its load."""
+    prefix_min_blocks: PositiveInt = 1
+    """Leading prompt blocks a replica must hold for prefix affinity to pick it."""
+    remembered_blocks: PositiveInt = 65536
+    """Block keys the router remembers per replica (also capped at the replica's pool size)."""
+    stats_period_s: PositiveFloat = 0.5
+    """How often Serve collects each replica's routing stats."""
+    probe_deadline_s: PositiveFloat = 1.0
+    """Serve's queue-length probe deadline (its default 0.1 s sent session turns elsewhere)."""
 
 
 class LoggingSection(_Section):
@@ -119,7 +175,9 @@ class SchedulerConfig(_Section):
     scheduler: SchedulingSection = msgspec.field(default_factory=SchedulingSection)
     worker: WorkerSection = msgspec.field(default_factory=WorkerSection)
     kvpool: KVPoolSection = msgspec.field(default_factory=KVPoolSection)
+    server: ServerSection = msgspec.field(default_factory=ServerSection)
     logging: LoggingSection = msgspec.field(default_factory=LoggingSection)
+    cluster: ClusterSection = msgspec.field(default_factory=ClusterSection)
 
     def __post_init__(self) -> None:
         try:

@@ -190,6 +190,7 @@ class AdmissionCore:
         c.steps, c.engine_batch = max(c.steps, out.step), out.held
         if out.active_bytes:
             c.active_bytes = out.active_bytes
+        c.session_fallbacks += out.session_fallbacks
         self._blocked = None  # blocks may have come back, or a prefix been stored
         memory = self.memory
         for rid in out.aborted:

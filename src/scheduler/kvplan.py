@@ -7,12 +7,13 @@ The admission actor asks this module what to reserve; the pool keeps the books.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from array import array
 from typing import TYPE_CHECKING, Literal
 
 from kvpool.books import blocks_for
-from kvpool.dense import padding_blocks
+from kvpool.dense import LayerBytes, padding_blocks
 from kvpool.pool import pool_blocks
 from scheduler.config import memory_spec
 from scheduler.errors import ConfigError
@@ -28,19 +29,57 @@ Mode = Literal["reserve", "on-demand"]
 
 def pool_size(section: KVPoolSection, info: ModelInfo, device_memory: int | None) -> int:
     """Blocks in the pool: `[kvpool] memory` (bytes, or a fraction of the device's memory, else
-    of the machine's) less the weights. `ConfigError` naming `kvpool.memory` if not one fits."""
+    of the machine's) less the weights. `ConfigError` naming `kvpool.memory`, and how much memory
+    the model needs, if not one block fits."""
     size, fraction = memory_spec(section.memory)
+    source = ""
     if size is None:
         assert fraction is not None
-        size = int((device_memory or _system_memory()) * fraction)
+        total = device_memory or _system_memory()
+        size = int(total * fraction)
+        where = "the device's memory" if device_memory else "the machine's RAM"
+        source = f" ({fraction:g} of {where}, {_human(total)})"
+    block = section.block_tokens * info.kv_bytes_per_token
     blocks = pool_blocks(size - info.weights_bytes, section.block_tokens, info.kv_bytes_per_token)
     if blocks < 1:
+        need = info.weights_bytes + block
+        hint = f"kvpool.memory = {need}" if fraction is None else (
+            f"kvpool.memory = {math.ceil(need / total * 100) / 100:g}" if need <= total
+            else "a device with more memory, or a smaller (quantized) model")
         raise ConfigError(
-            f"kvpool.memory: {size} bytes less the model's weights ({info.weights_bytes} bytes) "
-            f"holds no block of {section.block_tokens} tokens at {info.kv_bytes_per_token} bytes "
-            "per token; raise it"
+            f"kvpool.memory: {size} bytes{source} less the model's weights ({info.weights_bytes} "
+            f"bytes) holds no block of {section.block_tokens} tokens at {info.kv_bytes_per_token} "
+            f"bytes per token; the model needs at least {need} bytes ({_human(need)}: its weights "
+            f"and one block); use {hint}"
         )
     return blocks
+
+
+def _human(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def layer_bytes(info: ModelInfo) -> LayerBytes:
+    """`info`'s layers as the books charge them: full attention per token, sliding layers per
+    token up to their window, recurrent state per row."""
+    size = _DTYPE_BYTES.get(info.dtype, 4)
+    full = 0
+    sliding: dict[int, int] = {}
+    row = 0
+    for layer in info.layers:
+        per_token = layer.kv_heads * layer.head_dim * 2 * size
+        if layer.kind == "full":
+            full += per_token
+        elif layer.kind == "sliding":
+            sliding[layer.window] = sliding.get(layer.window, 0) + per_token
+        else:
+            row += layer.state_bytes
+    if not info.layers:  # a model described without its caches: every layer full attention
+        full = info.kv_bytes_per_token
+    return LayerBytes(info.kv_bytes_per_token, full, tuple(sorted(sliding.items())), row)
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 def _system_memory() -> int:
@@ -67,9 +106,18 @@ class KVPlan:
     """The rules of one pool: block size, mode and the dense batch cache's rounding."""
 
     def __init__(
-        self, *, mode: Mode, block_tokens: int, blocks_total: int, watermark: float, dense_step: int
+        self,
+        *,
+        mode: Mode,
+        block_tokens: int,
+        blocks_total: int,
+        watermark: float,
+        dense_step: int,
+        layers: LayerBytes | None = None,
     ) -> None:
         self.mode = mode
+        self.layers = layers
+        """The model's layers by kind (`layer_bytes`); None books every layer as full attention."""
         self.block_tokens = block_tokens
         self.blocks_total = blocks_total
         self.dense_step = dense_step
@@ -92,7 +140,7 @@ class KVPlan:
         return final if self.mode == "reserve" else length
 
     def padding(self, rows: Iterable[int], held: int) -> int:
-        return padding_blocks(rows, held, self.block_tokens, self.dense_step)
+        return padding_blocks(rows, held, self.block_tokens, self.dense_step, self.layers)
 
     def alone(self, tokens: int) -> int:
         """Blocks a lone row of `tokens` tokens costs (what must fit in the pool at all)."""

@@ -89,4 +89,5 @@ class Counters:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     session_hits: int = 0
+    session_fallbacks: int = 0
     active_bytes: int = 0

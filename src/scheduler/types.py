@@ -81,3 +81,10 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     prefix_hit_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache instead of prefill."""
     session_hits: int = 0
+    """Turns whose session's KV was kept (a turn that diverged from it still counts here)."""
+    session_fallbacks: int = 0
+    """Session turns that could not continue their kept KV and prefilled cold: the prompt diverged
+    from a cache that cannot be trimmed (a rotated sliding window, a recurrent state) or shares
+    nothing with it, or the last turn's KV could not be kept."""
+    prefix_cache_available: bool = True
+    """False when the model's caches cannot share prefix blocks (see the Models section)."""

@@ -10,15 +10,19 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, cast
 
 import mlx.core as mx
+import structlog
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
 from workers.budget import PrefillBudget
-from workers.kvstore import KVStore, LayerKV, common_prefix, is_plain_kv
+from workers.cachekinds import cache_support, trimmable
+from workers.kvstore import KVStore, LayerKV, common_prefix
+from workers.maskfree import MaskFreeDecode
 from workers.messages import Admit, Key, SamplingSpec
 
 Sampler = Callable[[mx.array], mx.array]
+log = structlog.get_logger("workers")
 
 
 class StepResult(NamedTuple):
@@ -34,6 +38,9 @@ class StepResult(NamedTuple):
     """KV newly kept this step: prefix blocks and finished sessions, as (key, tokens)."""
     active_bytes: int = 0
     """The backend's active memory after the step (0: not measured)."""
+    session_fallbacks: int = 0
+    """Session turns inserted since the last step that could not continue their kept KV (see
+    `SchedulerStats.session_fallbacks`) and prefill cold."""
 
 
 class Engine(Protocol):
@@ -106,10 +113,13 @@ class MLXEngine:
         prefill_step: int,
         step_token_budget: int | str = "auto",
         block_tokens: int = 256,
+        mask_free: bool = True,
     ) -> None:
         self._vocab_size = vocab_size
-        # Prefix blocks and sessions need caches this store can slice and rebuild.
-        self._store = KVStore(block_tokens) if is_plain_kv(make_prompt_cache(model)) else None
+        # Sessions need caches mlx-lm can extract and re-insert; prefix blocks need plain KVCaches.
+        self.support = cache_support(make_prompt_cache(model))
+        self._store = KVStore(block_tokens) if self.support.sessions else None
+        self._fallbacks = 0
         self._store_plan: dict[int, tuple[list[int], int]] = {}
         self._session_of: dict[int, str] = {}
         if step_token_budget == "auto" and mx.default_device().type == mx.DeviceType.gpu:
@@ -130,6 +140,7 @@ class MLXEngine:
         )
         # mlx-lm is only partly typed; the generator is used through its documented methods.
         self._gen: Any = BatchGenerator(model, **self._batching)
+        self.mask_free = MaskFreeDecode(mask_free)
         self._rid_of: dict[int, int] = {}
         self._uid_of: dict[int, int] = {}
         self._samplers: dict[SamplingSpec, Sampler | None] = {}
@@ -155,8 +166,8 @@ class MLXEngine:
 
     @property
     def reuses_kv(self) -> bool:
-        """Whether prefix blocks and sessions work with this model's cache."""
-        return self._store is not None
+        """Whether prefix blocks work with this model's cache (sessions: `support.sessions`)."""
+        return self._store is not None and self.support.prefix_blocks
 
     def _start(self, admit: Admit) -> tuple[list[int], Any, list[int]]:
         """(prompt left to prefill, starting cache or None, tokens that cache holds)."""
@@ -170,11 +181,15 @@ class MLXEngine:
                 cache, tokens = kept
                 # Keep what the new prompt shares with the session; at least one token to feed.
                 n = min(common_prefix(tokens, prompt), len(prompt) - 1)
-                if n > 0:
-                    for c in cache:
-                        c.trim(len(tokens) - n)
+                cut = len(tokens) - n
+                if n > 0 and trimmable(cache, cut):
+                    for c in cache if cut else ():  # recurrent caches have no trim() at all
+                        c.trim(cut)
                     return prompt[n:], cache, prompt[:n]
-        if admit.prefix:
+            # A rotated window or a recurrent state cannot forget tokens, the prompt shares none,
+            # or the last turn's KV was not kept: this turn prefills cold.
+            self._fallbacks += 1
+        if admit.prefix and self.support.prefix_blocks:
             blocks, built = store.prefix_cache(admit.prefix)
             n = blocks * store.block_tokens
             if built is not None and n < len(prompt):
@@ -198,7 +213,7 @@ class MLXEngine:
             self._uid_of[admit.rid] = uid
             self._budget.inserted(len(rest), admit.max_tokens)
             if self._store is not None:
-                if admit.store:
+                if admit.store and self.support.prefix_blocks:
                     self._store_plan[admit.rid] = (admit.store, len(admit.prefix))
                 if admit.session is not None:
                     self._session_of[admit.rid] = admit.session
@@ -234,7 +249,20 @@ class MLXEngine:
         if store is None or not names:
             return []
         kept = self._gen.extract_cache(list(names))
-        return [store.keep_session(names[uid], cache, tokens) for uid, (cache, tokens) in kept.items()]
+        stored = (self._keep_session(names[uid], cache, tokens) for uid, (cache, tokens) in kept.items())
+        return [s for s in stored if s is not None]
+
+    def _keep_session(self, name: str, cache: list[Any], tokens: list[int]) -> tuple[Key, int] | None:
+        """Keep a finished turn's KV; a failure drops the session (the next turn prefills cold)
+        rather than failing the step, so the turn still ends normally."""
+        store = self._store
+        assert store is not None
+        try:
+            return store.keep_session(name, cache, tokens)
+        except Exception as exc:
+            store.evict([name])
+            log.warning("session_keep_failed", session=name, error=f"{type(exc).__name__}: {exc}")
+            return None
 
     def remove(self, rids: Sequence[int]) -> None:
         for rid in rids:
@@ -257,6 +285,7 @@ class MLXEngine:
         )
         counters = gen._counters
         before = counters.prompt_tokens
+        self.mask_free.before_step(gen)
         _, responses = gen.next()
         prefilled = counters.prompt_tokens - before
         rids: list[int] = []
@@ -279,8 +308,13 @@ class MLXEngine:
                 del self._uid_of[rid]
                 session = self._session_of.pop(rid, None)
                 if session is not None and self._store is not None:
-                    stored.append(self._store.keep_session(session, r.prompt_cache, r.all_tokens))
-        return StepResult(rids, tokens, finished, reasons, prefilled, stored, mx.get_active_memory())
+                    kept = self._keep_session(session, r.prompt_cache, r.all_tokens)
+                    if kept is not None:
+                        stored.append(kept)
+        fallbacks, self._fallbacks = self._fallbacks, 0
+        return StepResult(
+            rids, tokens, finished, reasons, prefilled, stored, mx.get_active_memory(), fallbacks
+        )
 
     def has_work(self) -> bool:
         return bool(self._rid_of)
@@ -294,6 +328,7 @@ class MLXEngine:
 
     def reset(self) -> None:
         self.close()
+        self.mask_free.reset()
         mx.clear_cache()
         self._gen = BatchGenerator(self._model, **self._batching)
 

@@ -9,6 +9,7 @@ import mlx.core as mx
 import msgspec
 from mlx_lm.models.cache import KVCache
 
+from workers.cuda import apply_cuda_defaults
 from workers.engine import Engine, MLXEngine
 from workers.models import ModelInfo, load_model, model_info
 
@@ -38,11 +39,15 @@ class Loaded(msgspec.Struct, frozen=True):
     info: ModelInfo
     codec: Any
     device_memory: int | None = None
-    """Bytes of memory the MLX device reports (None on the CPU backend)."""
+    """Bytes of memory the MLX device offers (`device_memory`; None on the CPU backend)."""
     dense_step: int = 1
     """The engine's batch cache grows its buffer by this many tokens at a time (mlx-lm: 256)."""
     kv_reuse: bool = False
-    """Whether the engine can keep and reuse prefix blocks and session caches."""
+    """Whether the engine can keep and reuse prefix blocks."""
+    sessions: bool = False
+    """Whether the engine can keep a session's caches and continue from them."""
+    prefix_unavailable: str = ""
+    """Why prefix blocks cannot work with this model's caches ("" when they can)."""
 
 
 def mlx_engine_factory(
@@ -58,6 +63,7 @@ def mlx_engine_factory(
     """A factory to call on the worker thread (MLX streams are thread-local)."""
 
     def build() -> tuple[Engine, Loaded]:
+        apply_cuda_defaults()  # before the model's first GPU use: MLX reads them once
         model, tokenizer = load_model(path, cache_dir)
         info = model_info(model, tokenizer, path)
         engine = MLXEngine(
@@ -71,7 +77,8 @@ def mlx_engine_factory(
         )
         loaded = Loaded(
             info, TokenizerCodec(tokenizer), device_memory(), dense_step=KVCache.step,
-            kv_reuse=engine.reuses_kv,
+            kv_reuse=engine.reuses_kv, sessions=engine.support.sessions,
+            prefix_unavailable=engine.support.reason,
         )
         return engine, loaded
 
@@ -79,9 +86,10 @@ def mlx_engine_factory(
 
 
 def device_memory() -> int | None:
-    """What MLX reports as the device's memory size, where the backend reports it."""
+    """The memory a model may use on MLX's device, where the backend says: on Metal the
+    recommended working set (what mlx-lm wires), on CUDA the device's total memory."""
     info = mx.device_info()
-    for key in ("total_memory", "memory_size"):
+    for key in ("max_recommended_working_set_size", "total_memory", "memory_size"):
         value = info.get(key)
         if isinstance(value, int) and value > 0:
             return value

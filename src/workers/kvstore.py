@@ -11,17 +11,14 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from workers.cachekinds import cache_arrays
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from workers.messages import Key
 
 LayerKV = tuple[mx.array, mx.array]
-
-
-def is_plain_kv(cache: Sequence[Any]) -> bool:
-    """Whether a model's prompt cache is plain `KVCache`s, the only kind this store can slice."""
-    return bool(cache) and all(type(c) is KVCache for c in cache)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -35,7 +32,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 class KVStore:
     """Prefix blocks of `block_tokens` tokens (per layer: keys, values `[1, heads, block, dim]`)
-    and session caches (a list of `KVCache` and the tokens they hold)."""
+    and session caches (one per layer, of any class mlx-lm can batch, and the tokens they hold)."""
 
     def __init__(self, block_tokens: int) -> None:
         self.block_tokens = block_tokens
@@ -89,7 +86,7 @@ class KVStore:
         return new
 
     def keep_session(self, name: str, cache: list[Any], tokens: list[int]) -> tuple[Key, int]:
-        mx.eval([a for c in cache for a in (c.keys, c.values)])  # detach from the batch's buffer
+        mx.eval(cache_arrays(cache))  # detach from the batch's buffer
         self._sessions[name] = (cache, list(tokens))
         return name, len(tokens)
 

@@ -83,6 +83,8 @@ class StepOutput(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=Tru
     """KV newly stored this step, as (key, tokens): prefix blocks and finished sessions."""
     active_bytes: int = 0
     """MLX's active memory after the step."""
+    session_fallbacks: int = 0
+    """Session turns that could not continue their kept KV and prefilled cold."""
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True):

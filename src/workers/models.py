@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -39,6 +40,23 @@ class ModelSourceError(RuntimeError):
     raises it as the cause of `scheduler.errors.ModelLoadError`."""
 
 
+class LayerCache(msgspec.Struct, frozen=True):
+    """One layer's cache, as the model's own `make_prompt_cache` builds it.
+
+    "full": keys and values of every token (`KVCache`); "sliding": of the last `window` tokens
+    (`RotatingKVCache`); "recurrent": a fixed state of `state_bytes` bytes per row (`ArraysCache`).
+    `head_dim` is the mean of the key and value head sizes, so a token costs
+    `kv_heads * head_dim * 2 * dtype size` bytes in the layer.
+    """
+
+    kind: Literal["full", "sliding", "recurrent"]
+    cache_class: str
+    kv_heads: int = 0
+    head_dim: int = 0
+    window: int = 0
+    state_bytes: int = 0
+
+
 class ModelInfo(msgspec.Struct, frozen=True):
     """Facts about a loaded model that scheduling and KV accounting need."""
 
@@ -46,16 +64,22 @@ class ModelInfo(msgspec.Struct, frozen=True):
     path: str
     model_type: str
     num_layers: int
+    """Cache layers (`len(layers)`)."""
     num_kv_heads: int
+    """Of the first full-attention layer (else the first sliding one; 0 if none)."""
     head_dim: int
     vocab_size: int
     context_length: int
     """max_position_embeddings; 0 when the config does not say."""
     dtype: str
+    """Of the KV cache (the activations), which for a quantized model is not the weights'."""
     kv_bytes_per_token: int
-    """Keys and values of one token over all layers: layers * kv_heads * head_dim * 2 * dtype size."""
+    """The books' unit: keys and values of one token over the full-attention layers. A model
+    with none charges its sliding layers' bytes per token (or, with no attention at all, its
+    recurrent state over `DEFAULT_BLOCK` tokens), so the unit is never 0."""
     weights_bytes: int
     eos_token_ids: tuple[int, ...]
+    layers: tuple[LayerCache, ...] = ()
 
 
 def parse_synthetic(name: str) -> tuple[str, int] | None:
@@ -137,47 +161,118 @@ def model_info(
     path: str | os.PathLike[str],
     name: str | None = None,
 ) -> ModelInfo:
-    """Describe a model loaded by ``load_model`` from ``path`` (``name`` defaults to it)."""
+    """Describe a model loaded by ``load_model`` from ``path`` (``name`` defaults to it).
+
+    Shapes come from the model's own caches after a one-token forward pass, so every layout
+    mlx-lm builds (nested `text_config`, sliding, recurrent) is read the same way. A cache class
+    `BatchGenerator` cannot batch is a `ModelSourceError` naming it. Call on the model's thread.
+    """
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     args = getattr(model, "args", None)
     if args is None:
-        raise ValueError(f"{type(model).__name__} has no args, so its shape is unknown")
+        raise ModelSourceError(f"{type(model).__name__} has no args, so its shape is unknown")
+    text = _text_args(args)
     model_type = str(getattr(args, "model_type", type(model).__module__.rsplit(".", 1)[-1]))
-    layers = _arg(args, "num_hidden_layers", "num_layers", "n_layer") or len(model.layers)
-    heads = _arg(args, "num_attention_heads", "n_heads", "n_head")
-    kv_heads = _arg(args, "num_key_value_heads", "n_kv_heads") or heads
-    head_dim = _arg(args, "head_dim")
-    if head_dim is None:
-        hidden = _arg(args, "hidden_size", "dim", "n_embd")
-        if hidden is None or heads is None:
-            raise ValueError(f"cannot tell the head size of a {model_type!r} model")
-        head_dim = hidden // heads
-    vocab = _arg(args, "vocab_size")
-    if kv_heads is None or vocab is None:
-        raise ValueError(f"cannot tell the KV heads or vocabulary of a {model_type!r} model")
-
     params: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     weights_bytes = sum(int(v.nbytes) for _, v in params)
     floats = [v.dtype for _, v in params if mx.issubdtype(v.dtype, mx.floating)]
     if not floats:
-        raise ValueError(f"a {model_type!r} model without floating-point parameters")
-    dtype = floats[0]
+        raise ModelSourceError(f"a {model_type!r} model without floating-point parameters")
+    layers, kv_dtype = _probe_caches(model, model_type)
+    dtype = kv_dtype or floats[0]
+    vocab = _arg(args, "vocab_size") or _arg(text, "vocab_size")
+    if vocab is None:
+        raise ModelSourceError(f"cannot tell the vocabulary size of a {model_type!r} model")
+    attention = [c for c in layers if c.kind == "full"] or [c for c in layers if c.kind == "sliding"]
     return ModelInfo(
         name=str(path) if name is None else name,
         path=str(path),
         model_type=model_type,
-        num_layers=layers,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        num_layers=len(layers),
+        num_kv_heads=attention[0].kv_heads if attention else 0,
+        head_dim=attention[0].head_dim if attention else 0,
         vocab_size=vocab,
-        context_length=_arg(args, "max_position_embeddings", "context_length") or 0,
+        context_length=_arg(args, "max_position_embeddings", "context_length")
+        or _arg(text, "max_position_embeddings", "context_length")
+        or 0,
         dtype=str(dtype).rsplit(".", 1)[-1],
-        kv_bytes_per_token=layers * kv_heads * head_dim * 2 * int(dtype.size),
+        kv_bytes_per_token=unit_bytes_per_token(layers, int(dtype.size)),
         weights_bytes=weights_bytes,
         eos_token_ids=tuple(sorted(int(t) for t in tokenizer.eos_token_ids)),
+        layers=layers,
     )
+
+
+DEFAULT_BLOCK = 256
+"""Tokens over which a model with no attention layer spreads its per-row state in the unit."""
+
+
+def unit_bytes_per_token(layers: tuple[LayerCache, ...], dtype_size: int) -> int:
+    """`ModelInfo.kv_bytes_per_token` for these layers (see there)."""
+    for kind in ("full", "sliding"):
+        total = sum(c.kv_heads * c.head_dim * 2 * dtype_size for c in layers if c.kind == kind)
+        if total:
+            return total
+    return max(1, -(-sum(c.state_bytes for c in layers) // DEFAULT_BLOCK))
+
+
+def _probe_caches(model: Any, model_type: str) -> tuple[tuple[LayerCache, ...], Any]:
+    """Each layer's cache after one token, and the KV dtype (None without attention layers)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = list(make_prompt_cache(model))
+    flat = _flatten(caches)
+    for c in flat:
+        if not hasattr(type(c), "merge"):
+            raise ModelSourceError(
+                f"a {model_type!r} model keeps {type(c).__name__} caches, which mlx-lm's "
+                "BatchGenerator cannot batch (the class has no merge()), so this scheduler "
+                "cannot serve it; mlx_lm.generate can run it one request at a time"
+            )
+    try:
+        mx.eval(model(mx.array([[0]]), cache=caches))
+    except Exception as e:
+        raise ModelSourceError(
+            f"a one-token forward pass of the {model_type!r} model failed: {type(e).__name__}: {e}"
+        ) from e
+    layers: list[LayerCache] = []
+    kv_dtype = None
+    for c in flat:
+        cls = type(c).__name__
+        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+        if keys is not None and values is not None and keys.ndim == 4:
+            kv_dtype = kv_dtype or keys.dtype
+            heads, dim = int(keys.shape[1]), (int(keys.shape[3]) + int(values.shape[3])) // 2
+            window = getattr(c, "max_size", None)
+            if isinstance(window, int) and window > 0:
+                layers.append(LayerCache("sliding", cls, kv_heads=heads, head_dim=dim, window=window))
+            else:
+                layers.append(LayerCache("full", cls, kv_heads=heads, head_dim=dim))
+        elif isinstance(getattr(c, "nbytes", None), int):
+            layers.append(LayerCache("recurrent", cls, state_bytes=int(c.nbytes)))
+        else:
+            raise ModelSourceError(f"a {model_type!r} model keeps {cls} caches, whose size is unknown")
+    return tuple(layers), kv_dtype
+
+
+def _flatten(caches: list[Any]) -> list[Any]:
+    """Caches with `CacheList`s (several caches for one layer) opened up."""
+    out: list[Any] = []
+    for c in caches:
+        inner = getattr(c, "caches", None)
+        out.extend(_flatten(list(inner)) if isinstance(inner, list | tuple) else [c])
+    return out
+
+
+def _text_args(args: Any) -> Any:
+    """The text model's args: `args.text_config` where a wrapper nests it, else `args`."""
+    nested = getattr(args, "text_config", None)
+    if isinstance(nested, dict):
+        return SimpleNamespace(**nested)
+    return nested if nested is not None else args
 
 
 def _arg(args: Any, *names: str) -> int | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -65,10 +64,16 @@ class SyntheticSpec:
     tie_word_embeddings: bool = True
     rope_scaling: tuple[tuple[str, float | str], ...] | None = None
     head_dim: int | None = None
+    extra: tuple[tuple[str, Any], ...] = ()
+    """Further config.json keys the architecture needs (sliding windows, experts, layer types)."""
+    text_config: bool = False
+    """Nest the text model's keys under `text_config`, as multimodal checkpoints do (gemma3)."""
 
     def config(self, eos_token_ids: list[int], pad_token_id: int) -> dict[str, Any]:
         """The config.json contents."""
         cfg = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        del cfg["extra"], cfg["text_config"]
+        cfg.update(dict(self.extra))
         cfg.update(
             architectures=[_ARCHITECTURES.get(self.model_type, "ForCausalLM")],
             rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None,
@@ -80,6 +85,13 @@ class SyntheticSpec:
         )
         if self.model_type == "llama":
             cfg.update(attention_bias=False, mlp_bias=False)
+        if self.text_config:
+            outer = ("architectures", "torch_dtype", "eos_token_id", "pad_token_id", "bos_token_id")
+            text = {k: v for k, v in cfg.items() if k not in outer}
+            text["model_type"] = f"{self.model_type}_text"
+            cfg = {k: cfg[k] for k in outer} | {
+                "model_type": self.model_type, "vocab_size": self.vocab_size, "text_config": text,
+            }
         return cfg
 
 
@@ -111,6 +123,40 @@ SIZES: dict[str, SyntheticSpec] = {
         rope_scaling=(
             ("factor", 32.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
             ("original_max_position_embeddings", 8192), ("rope_type", "llama3"),
+        ),
+    ),
+    # The real shapes of Qwen3-0.6B (every layer full attention) and Gemma-3-1B (5 of every 6
+    # layers a 512-token sliding window), random weights: about 1.2 and 2.0 GB to build.
+    "qwen3-0.6b": SyntheticSpec(
+        model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, intermediate_size=3072, vocab_size=151936,
+        max_position_embeddings=40960, dtype="bfloat16", rope_theta=1e6, rms_norm_eps=1e-6,
+        head_dim=128,
+    ),
+    "gemma-3-1b": SyntheticSpec(
+        model_type="gemma3_text", hidden_size=1152, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, intermediate_size=6912, vocab_size=262144,
+        max_position_embeddings=32768, dtype="bfloat16", rope_theta=1e6, rms_norm_eps=1e-6,
+        head_dim=256, extra=(
+            ("sliding_window", 512), ("sliding_window_pattern", 6),
+            ("query_pre_attn_scalar", 256), ("rope_local_base_freq", 10000.0),
+        ),
+    ),
+    # A small Qwen3-Next-style hybrid: 3 of every 4 layers linear attention (a fixed recurrent
+    # state per row, mlx-lm's ArraysCache), the 4th full attention. Dense MLPs in every layer:
+    # MLX's CPU backend has no bfloat16 expert matmul (GatherMM). ~19 MB.
+    "qwen3-next-small": SyntheticSpec(
+        model_type="qwen3_next", hidden_size=256, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=2, intermediate_size=512, vocab_size=4096,
+        max_position_embeddings=32768, dtype="bfloat16", rope_theta=1e7, rms_norm_eps=1e-6,
+        head_dim=64, tie_word_embeddings=False, extra=(
+            ("linear_num_value_heads", 8), ("linear_num_key_heads", 4),
+            ("linear_key_head_dim", 64), ("linear_value_head_dim", 64),
+            ("linear_conv_kernel_dim", 4), ("full_attention_interval", 4),
+            ("num_experts", 8), ("num_experts_per_tok", 2), ("decoder_sparse_step", 1),
+            ("mlp_only_layers", tuple(range(8))), ("moe_intermediate_size", 128),
+            ("shared_expert_intermediate_size", 256), ("norm_topk_prob", True),
+            ("partial_rotary_factor", 0.25),
         ),
     ),
 }
@@ -192,11 +238,15 @@ def write_model(spec: SyntheticSpec, seed: int, out: Path, name: str = "") -> No
 
 def _parameter_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes, from mlx-lm's own class for the architecture."""
-    module = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
-    args = module.ModelArgs.from_dict(spec.config([0], 0))
-    model = module.Model(args)  # lazily initialised: nothing is computed here
+    from mlx_lm.utils import _get_classes  # resolves aliases such as mistral -> llama
+
+    config = spec.config([0], 0)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))  # lazily initialised: nothing is computed here
     flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
-    return {k: tuple(v.shape) for k, v in flat}
+    # Tied checkpoints carry no lm_head; classes such as gemma3's make one and drop it on load.
+    tied = spec.tie_word_embeddings
+    return {k: tuple(v.shape) for k, v in flat if not (tied and k.endswith("lm_head.weight"))}
 
 
 def _plan_shards(shapes: dict[str, tuple[int, ...]], dtype_size: int) -> Iterator[list[str]]:

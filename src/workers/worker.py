@@ -67,6 +67,8 @@ class GPUWorker(Generic[InfoT]):
         self._thread: threading.Thread | None = None
         self._loop_caller: LoopCaller | None = None
         self._started = anyio.Event()
+        self._inserting: list[int] = []
+        """Requests being inserted: a failed insert loses them before the engine holds them."""
         self._start_result: tuple[InfoT | None, BaseException | None] = (None, None)
 
     def send(self, command: WorkerCommand) -> None:
@@ -134,6 +136,8 @@ class GPUWorker(Generic[InfoT]):
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             lost = engine.rids()
+            lost += [rid for rid in self._inserting if rid not in lost]
+            self._inserting = []
         if self._restart:
             try:
                 engine.reset()
@@ -172,7 +176,9 @@ class GPUWorker(Generic[InfoT]):
                         engine.evict(keys)  # before inserts: the pool evicted them first
                     case Shutdown():
                         stop = True
+            self._inserting = [a.rid for a in admits]
             engine.insert(admits)
+            self._inserting = []
             engine.remove(aborted)
             if stop:
                 return
@@ -190,5 +196,6 @@ class GPUWorker(Generic[InfoT]):
                 StepOutput(
                     self._step, r.rids, r.tokens, r.finished, r.reasons, aborted, engine.held(),
                     t_start, t_end, r.prefill_tokens, kept + r.stored, r.active_bytes,
+                    r.session_fallbacks,
                 )
             )

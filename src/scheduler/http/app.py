@@ -4,17 +4,17 @@
 from __future__ import annotations
 
 import time
+import traceback
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-import anyio
 import msgspec
 import structlog
 from jinja2 import TemplateError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -22,6 +22,7 @@ from scheduler.api import Scheduler
 from scheduler.errors import InvalidRequest, SchedulerError
 from scheduler.http import requests as rq
 from scheduler.http import responses as rs
+from scheduler.http.bodies import read_body
 from scheduler.http.errors import (
     ApiError,
     from_scheduler,
@@ -31,7 +32,10 @@ from scheduler.http.errors import (
     not_found,
     shutting_down,
 )
+from scheduler.http.prompts import Tokenizing
+from scheduler.http.shutdown import Gate
 from scheduler.http.sse import ClientGone, EventStream, unless_disconnected
+from scheduler.validation import check_arguments
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,7 +43,7 @@ if TYPE_CHECKING:
 
     from starlette.requests import Request
 
-    from scheduler.config import SchedulerConfig
+    from scheduler.config import SchedulerConfig, ServerSection
     from scheduler.stream import RequestStream
     from scheduler.types import Chunk, SchedulerStats
 
@@ -49,7 +53,6 @@ log = structlog.get_logger("scheduler.http")
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI
 DEFAULT_CHAT_MAX_TOKENS = 512  # /v1/chat/completions, as mlx_lm.server; lowered to fit the context
-_THREAD_TEMPLATE_CHARS = 2048  # longer conversations go through the chat template off the loop
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -67,10 +70,12 @@ def create_app(
 ) -> Starlette:
     """The app. With `config` its lifespan starts and closes a `Scheduler`; with a running
     `scheduler` (embedding, tests) it serves that one and leaves its lifetime to the caller.
-    `model_name` is the id `/v1/models` reports (default: the model's name)."""
+    `model_name` is the id `/v1/models` reports (default: the model's name). `app.state.gate`
+    is its `shutdown.Gate`: `serve` ends the grace period through it."""
     if (config is None) == (scheduler is None):
         raise TypeError("create_app takes exactly one of config or scheduler")
-    api = _OpenAI(scheduler, model_name)
+    owner = config if config is not None else scheduler.config  # type: ignore[union-attr]
+    api = _OpenAI(scheduler, model_name, owner.server)
     routes = [
         Route("/v1/completions", api.endpoint(api.completions, "cmpl", "prompt"), methods=["POST"]),
         Route("/v1/chat/completions", api.endpoint(api.chat, "chatcmpl", "messages"), methods=["POST"]),
@@ -79,7 +84,9 @@ def create_app(
         Route("/metrics", api.endpoint(api.metrics, "metrics"), methods=["GET"]),
     ]
     lifespan = api.lifespan(config) if config is not None else None
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app.state.gate = api.gate
+    return app
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -93,27 +100,30 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 class _OpenAI:
     """The endpoints. Owns the scheduler reference and whether the server is shutting down."""
 
-    def __init__(self, scheduler: Scheduler | None, model_name: str | None) -> None:
+    def __init__(self, scheduler: Scheduler | None, model_name: str | None, limits: ServerSection) -> None:
         self._scheduler = scheduler
         self._model_name = model_name
-        self._closing = False
         self._created = int(time.time())
+        self._limits = limits
+        self.gate = Gate()
+        self.gate.scheduler = scheduler
+        self.tokens = Tokenizing(limits.tokenize_threads)
 
     def lifespan(self, config: SchedulerConfig) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
         @asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
             async with Scheduler(config) as sched:
-                self._scheduler = sched
+                self._scheduler = self.gate.scheduler = sched
                 try:
                     yield
                 finally:
-                    self._closing = True  # 503 from here on, while the scheduler drains
+                    await self.gate.expire()  # 503 from here on; the one close of the scheduler
 
         return lifespan
 
     @property
     def sched(self) -> Scheduler:
-        if self._scheduler is None or self._closing:
+        if self._scheduler is None or self.gate.closing:
             raise shutting_down()
         return self._scheduler
 
@@ -138,19 +148,26 @@ class _OpenAI:
             except ClientGone:
                 log.debug("client_disconnected", request_id=rid)
                 return Response(status_code=499, headers=headers)  # nginx's code; only logs see it
-            except Exception:  # the HTTP boundary: a bug answers 500, the server keeps serving
-                log.exception("request_failed", request_id=rid, path=request.url.path)
+            except Exception as exc:  # the HTTP boundary: a bug answers 500, the server keeps serving
+                # No traceback: its frames' locals hold the body. Class, frames and sizes only.
+                log.error("request_failed", request_id=rid, path=request.url.path,
+                          body_bytes=request.headers.get("content-length"),
+                          error=type(exc).__name__, where=_where(exc))
                 return internal(rid).response(headers)
 
         return endpoint
 
     # ---- endpoints ----------------------------------------------------------------------------
     async def completions(self, request: Request, rid: str) -> Response:
-        req = rq.decode(await _body(request), rq.CompletionRequest)
+        req = rq.decode(await read_body(request, self._limits.body_timeout_s), rq.CompletionRequest)
         rq.check_completion(req)
         sched, head = self.sched, rs.Head(rid, int(time.time()), self.model_name)
-        params = rq.sampling(req, req.max_tokens, DEFAULT_MAX_TOKENS)
-        stream = sched.generate(rq.completion_prompt(req), params, priority=req.priority,
+        params = rq.sampling(req, req.max_tokens, DEFAULT_MAX_TOKENS, sched.model.info.vocab_size)
+        prompt = rq.completion_prompt(req)
+        if isinstance(prompt, str):  # generate()'s checks first, then bounded tokenizing
+            check_arguments(prompt, params, req.priority, rq.tenant(req), None, sched.model.info.vocab_size)
+            prompt = await self.tokens.encode(sched, prompt)
+        stream = sched.generate(prompt, params, priority=req.priority,
                                 tenant=rq.tenant(req), session=req.session)
         if req.stream:
             return await _event_stream(request, rid, stream, rs.CompletionEvents(head, _usage(req)))
@@ -158,14 +175,14 @@ class _OpenAI:
         return json_response(rs.completion(head, text, last), headers={"x-request-id": rid})
 
     async def chat(self, request: Request, rid: str) -> Response:
-        req = rq.decode(await _body(request), rq.ChatRequest)
+        req = rq.decode(await read_body(request, self._limits.body_timeout_s), rq.ChatRequest)
         rq.check_chat(req)
         sched, head = self.sched, rs.Head(rid, int(time.time()), self.model_name)
-        ids = await _chat_ids(sched, rq.chat_messages(req))
+        ids = await _chat_ids(self.tokens, sched, rq.chat_messages(req))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         room = sched.model.info.context_length - len(ids)
         default = min(DEFAULT_CHAT_MAX_TOKENS, room) if room > 0 else DEFAULT_CHAT_MAX_TOKENS
-        params = rq.sampling(req, max_tokens, default)
+        params = rq.sampling(req, max_tokens, default, sched.model.info.vocab_size)
         stream = sched.generate(ids, params, priority=req.priority, tenant=rq.tenant(req),
                                 session=req.session)
         if req.stream:
@@ -194,25 +211,17 @@ def _usage(req: rq.CompletionRequest | rq.ChatRequest) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
-async def _body(request: Request) -> bytes:
-    body = bytearray()
-    try:
-        async for part in request.stream():
-            body += part
-            if len(body) > rq.MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is larger than {rq.MAX_BODY_BYTES} bytes",
-                               type="invalid_request_error")
-    except ClientDisconnect:
-        raise ClientGone from None
-    return bytes(body)
+def _where(exc: BaseException, depth: int = 8) -> str:
+    """The innermost frames as `function (file:line)`: where a bug is, without the message or
+    the frames' locals, either of which can hold the request's text."""
+    frames = traceback.extract_tb(exc.__traceback__)[-depth:]
+    return " <- ".join(f"{f.name} ({Path(f.filename).name}:{f.lineno})" for f in reversed(frames))
 
 
-async def _chat_ids(sched: Scheduler, messages: list[dict[str, str]]) -> list[int]:
+async def _chat_ids(tokens: Tokenizing, sched: Scheduler, messages: list[dict[str, str]]) -> list[int]:
     try:
-        if sum(len(m["content"]) for m in messages) > _THREAD_TEMPLATE_CHARS:
-            return await anyio.to_thread.run_sync(sched.chat_prompt, messages)
-        return sched.chat_prompt(messages)
-    except InvalidRequest:
+        return await tokens.chat(sched, messages)
+    except (InvalidRequest, ApiError):
         raise
     except (TemplateError, ValueError, TypeError) as exc:  # templates raise on roles they refuse
         raise invalid(f"messages: the model's chat template rejected them: {exc}", "messages") from None

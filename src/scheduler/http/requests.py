@@ -6,7 +6,7 @@ Unknown fields are ignored (clients send many); known OpenAI features this serve
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -15,8 +15,12 @@ from scheduler.params import SamplingParams
 
 T = TypeVar("T")
 
-MAX_BODY_BYTES = 16 * 2**20
 MAX_USER_CHARS = 256  # the scheduler's limit on a tenant name
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; above it sampling is noise and slow (issue 18)
+MIN_TEMPERATURE = 1e-2  # vLLM's floor: a smaller positive temperature overflows the logits
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})  # OpenAI's
+# A priority is a signed 64-bit integer, as every consumer (policies, metrics, JSON) can hold it.
+Priority = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 _AT = re.compile(r"^(.*) - at `\$\.?(.*)`$")
 
 
@@ -40,7 +44,7 @@ class _Request(msgspec.Struct, kw_only=True, frozen=True):
     logit_bias: dict[str, float] | None = None
     # Extensions: scheduling priority (lower first, as in vLLM); a session whose KV the next turn
     # continues; sampler knobs mlx_lm.server takes.
-    priority: int = 0
+    priority: Priority = 0
     session: str | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -86,6 +90,10 @@ def decode(body: bytes, kind: type[T]) -> T:
         raise _explain(str(exc)) from None
     except msgspec.DecodeError:
         raise invalid("the request body is not valid JSON") from None
+    except RecursionError:  # nesting in an ignored field is skipped recursively by msgspec
+        raise invalid("the request body is not valid JSON: it is nested too deeply") from None
+    except UnicodeDecodeError:
+        raise invalid("the request body is not valid JSON: a string holds invalid UTF-8") from None
 
 
 def _explain(message: str) -> ApiError:
@@ -171,20 +179,36 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
                     )
                 texts.append(part.text)
             content = "".join(texts)
+        if m.role not in ROLES:
+            raise invalid(f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}; "
+                          f"got {m.role[:32]!r}", "messages")
         out.append({"role": m.role, "content": content})
     if not out:
         raise invalid("messages must not be empty", "messages")
     return out
 
 
-def sampling(req: _Request, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
-    """`SamplingParams` for the request; it raises `InvalidRequest` naming a bad field."""
+def sampling(
+    req: _Request, max_tokens: int | None, default_max_tokens: int, vocab_size: int = 0
+) -> SamplingParams:
+    """`SamplingParams` for the request; it raises `InvalidRequest` naming a bad field.
+    Temperature: over 2 is refused (OpenAI), (0, 0.01) raised to 0.01 (vLLM); a `top_k` of at
+    least the vocabulary keeps every token, so it is off (vLLM clamps it likewise)."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if temperature > MAX_TEMPERATURE:
+        raise invalid(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {temperature}",
+                      "temperature")
+    if 0 < temperature < MIN_TEMPERATURE:
+        temperature = MIN_TEMPERATURE
+    top_k = req.top_k or 0
+    if vocab_size and top_k >= vocab_size:
+        top_k = 0
     return SamplingParams(
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
+        temperature=temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
+        top_k=top_k,
         min_p=req.min_p or 0.0,
         seed=req.seed,
         stop=stop,

@@ -5,19 +5,25 @@ and the `[server]` extra is only needed to run it."""
 
 from __future__ import annotations
 
+import math
 import signal
 from typing import TYPE_CHECKING
 
 import anyio
+import msgspec
+import structlog
 
-from scheduler.argtypes import port, seconds
+from scheduler.argtypes import port, positive_int, seconds
 
 if TYPE_CHECKING:
     import argparse
 
     from starlette.applications import Starlette
 
-    from scheduler.config import SchedulerConfig
+    from scheduler.config import SchedulerConfig, ServerSection
+    from scheduler.http.shutdown import Gate
+
+log = structlog.get_logger("scheduler.http")
 
 
 def add_serve_command(
@@ -34,49 +40,82 @@ def add_serve_command(
                    help="the model id clients see in /v1/models and responses (default: the model path)")
     p.add_argument("--trio", action="store_true",
                    help="run on trio, served by hypercorn (default: asyncio, served by uvicorn)")
-    p.add_argument("--shutdown-timeout", type=seconds, default=10.0, metavar="S",
-                   help="on SIGINT/SIGTERM, seconds in-flight requests get to finish (default: 10)")
+    p.add_argument("--shutdown-timeout", type=seconds, default=None, metavar="S",
+                   help="on SIGINT/SIGTERM, seconds in-flight requests get to finish; then each "
+                        "gets a 503 or an error event (default: [server] shutdown_timeout_s, 10)")
+    p.add_argument("--replicas", type=positive_int, metavar="N",
+                   help="N scheduler replicas on Ray Serve behind this port (needs the [cluster] extra; "
+                   "default: [cluster] replicas, 1: this process)")
     return p
 
 
 def serve(args: argparse.Namespace, config: SchedulerConfig) -> None:
     """Run the server until SIGINT or SIGTERM."""
+    replicas = getattr(args, "replicas", None) or config.cluster.replicas
+    if replicas > 1:
+        from scheduler.cluster import serve_replicas
+
+        serve_replicas(args, config, replicas)
+        return
     try:
         from scheduler.http.app import create_app
     except ImportError as exc:
         raise SystemExit(
             f"mlx-scheduler serve needs the server extra: pip install 'mlx-scheduler[server]' ({exc})"
         ) from None
+    grace = config.server.shutdown_timeout_s if args.shutdown_timeout is None else args.shutdown_timeout
+    if config.scheduler.shutdown == "drain":  # the grace period is serve's drain; then it aborts
+        log.info("scheduler_shutdown_replaced", configured="drain", by="--shutdown-timeout",
+                 grace_s=grace)
+        config = msgspec.structs.replace(
+            config, scheduler=msgspec.structs.replace(config.scheduler, shutdown="abort"))
     app = create_app(config, model_name=args.model_name)
     if args.trio:
-        anyio.run(_hypercorn, app, args, backend="trio")
+        anyio.run(_hypercorn, app, args, config.server, grace, backend="trio")
     else:
-        _uvicorn(app, args, config.logging.level)
+        _uvicorn(app, args, config, grace)
 
 
-def _uvicorn(app: Starlette, args: argparse.Namespace, level: str) -> None:
+def _uvicorn(app: Starlette, args: argparse.Namespace, config: SchedulerConfig, grace: float) -> None:
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=level, lifespan="on",
-        timeout_graceful_shutdown=args.shutdown_timeout,
-    ))
+    from scheduler.http.limits import SERVER_MARGIN_S, GracefulServer, protocol_for
+
+    limits = config.server
+    server = GracefulServer(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=config.logging.level, lifespan="on",
+        http=protocol_for(limits), timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=math.ceil(grace + SERVER_MARGIN_S),
+    ), app.state.gate, grace)
     server.run()
 
 
-async def _hypercorn(app: Starlette, args: argparse.Namespace) -> None:
+async def _hypercorn(app: Starlette, args: argparse.Namespace, limits: ServerSection, grace: float) -> None:
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
+    gate: Gate = app.state.gate
     config = Config()
     host = f"[{args.host}]" if ":" in args.host else args.host
     config.bind = [f"{host}:{args.port}"]
-    config.graceful_timeout = args.shutdown_timeout
+    config.graceful_timeout = grace + 3.0  # after the app's own end of the grace period
+    config.keep_alive_timeout = limits.keep_alive_s
     config.accesslog = "-"
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    # hypercorn's read_timeout would also cut long streams, whose clients send nothing.
+    log.warning("server_limits_off", limits="header_timeout_s, max_connections",
+                reason="hypercorn (--trio) has neither; use uvicorn or a proxy in front")
+    async with anyio.create_task_group() as tg:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
 
-        async def stop() -> None:
-            async for _ in signals:
-                return
+            async def deadline() -> None:
+                await anyio.sleep(grace)
+                await gate.expire()
 
-        await hypercorn_serve(app, config, shutdown_trigger=stop)  # type: ignore[arg-type]
+            async def stop() -> None:
+                async for _ in signals:
+                    gate.begin()
+                    tg.start_soon(deadline)
+                    return
+
+            await hypercorn_serve(app, config, shutdown_trigger=stop)  # type: ignore[arg-type]
+        tg.cancel_scope.cancel()

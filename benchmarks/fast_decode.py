@@ -1,4 +1,4 @@
-"""An experiment (off): mlx-lm's `BatchGenerator` decoding through a compiled forward pass.
+"""An experiment, not part of the scheduler: mlx-lm's `BatchGenerator` decoding through a compiled forward pass.
 
 Not output-identical on CUDA and not faster at batch 64 (see `install_fast_decode`); kept so that
 `benchmarks/decode_step.py` can reproduce the measurement.

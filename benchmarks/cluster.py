@@ -1,0 +1,250 @@
+"""Scale-out (issue 16): N scheduler replicas on Ray Serve behind one port, through HTTP.
+
+(a) Prefix routing: `--prefixes` distinct prefixes of `--prefix-tokens` tokens, each request one
+    of them (uniform) plus a unique suffix; greedy, `--max-tokens` tokens, `--concurrency` in
+    flight. Each replica's pool holds `--pool-blocks` blocks, so the working set (prefixes x
+    blocks each) is 0.5, 1 and 2 pools (`--ratios`). Our router (2 replicas) against Serve-style
+    power-of-two choices (2 replicas) and one replica: prefix hit rate (hit / queried prompt
+    tokens, from every replica's stats) and TTFT p50/p99. Each ratio uses fresh prefixes and
+    first warms them up once (not measured).
+(b) Throughput: `--tp-requests` requests of `--tp-prompt-tokens` random tokens, `--tp-max-tokens`
+    generated (ignore_eos), all at once, on 1 and on 2 replicas: generated tokens/s.
+
+One local Ray for the whole run (127.0.0.1, no dashboard); each variant is a fresh Serve app.
+A table on stdout and JSON (`--out`).
+
+    python benchmarks/cluster.py [--model synthetic:tiny] [--parts a,b] [--quick]
+    python benchmarks/cluster.py --parts b --model synthetic:qwen2.5-0.5b --device cuda \\
+        --gpus-per-replica 0.5        # 2 replicas sharing one GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+
+from scheduler import Scheduler, SchedulerConfig
+from scheduler.cluster.app import APP_NAME, deploy, pick_device, start_ray
+
+BASE = """
+[model]
+path = "{model}"
+[kvpool]
+memory = {memory}
+block_tokens = {block_tokens}
+[worker]
+max_batch = {max_batch}
+[cluster]
+num_cpus = {cpus}
+device = "{device}"
+gpus_per_replica = {gpus}
+routing = "{routing}"
+stats_period_s = 0.2
+"""
+
+
+def config(args: argparse.Namespace, memory: int | str, routing: str = "cache-aware") -> SchedulerConfig:
+    mem = f'"{memory}"' if isinstance(memory, str) else str(memory)
+    text = BASE.format(model=args.model, memory=mem, block_tokens=args.block_tokens,
+                       max_batch=args.max_batch, cpus=args.cpus_per_replica, device=args.device,
+                       gpus=args.gpus_per_replica, routing=routing)
+    return SchedulerConfig.from_toml(text)
+
+
+async def model_facts(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(weights bytes, bytes per block, vocab size), from a scheduler in this process."""
+    async with Scheduler(config(args, "256MiB")) as s:
+        st = s.stats()
+        return st.weights_bytes, st.kv_budget_bytes // st.blocks_total, s.model.info.vocab_size
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
+              ignore_eos: bool = False) -> tuple[float, int, str]:
+    """(TTFT, generated tokens, replica) of one streamed completion."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, tokens = float("nan"), 0
+    async with client.stream("POST", "/v1/completions", json=body) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"{reply.status_code}: {(await reply.aread())[:200]!r}")
+        replica = reply.headers.get("x-replica", "?")
+        async for line in reply.aiter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                if ttft != ttft:
+                    ttft = time.perf_counter() - t0
+                usage = msgspec.json.decode(line[5:]).get("usage")
+                if usage:
+                    tokens = int(usage["completion_tokens"])
+    return ttft, tokens, replica
+
+
+async def run_all(client: httpx.AsyncClient, prompts: list[list[int]], max_tokens: int,
+                  concurrency: int, ignore_eos: bool = False) -> list[tuple[float, int, str]]:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def go(p: list[int]) -> tuple[float, int, str]:
+        async with sem:
+            return await one(client, p, max_tokens, ignore_eos)
+
+    return list(await asyncio.gather(*(go(p) for p in prompts)))
+
+
+async def counters(client: httpx.AsyncClient) -> tuple[int, int]:
+    """(prompt tokens queried, prompt tokens hit) summed over the replicas."""
+    body = (await client.get("/health")).json()
+    return (sum(r["stats"]["prefix_query_tokens"] for r in body["replicas"]),
+            sum(r["stats"]["prefix_hit_tokens"] for r in body["replicas"]))
+
+
+async def part_a(args: argparse.Namespace, url: str, facts: tuple[int, int, int]) -> list[dict[str, Any]]:
+    from ray import serve
+
+    weights, per_block, vocab = facts
+    memory = weights + args.pool_blocks * per_block
+    blocks_per_prefix = args.prefix_tokens // args.block_tokens
+    rows: list[dict[str, Any]] = []
+    variants = [("ours", 2, "cache-aware"), ("power-of-two", 2, "power-of-two"), ("one replica", 1, "cache-aware")]
+    for name, replicas, routing in variants:
+        cfg = config(args, memory, routing)
+        await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster))
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            for ratio in args.ratios:
+                rng = random.Random(hash((ratio, 7)))  # the same prompts for every variant
+                k = max(1, round(ratio * args.pool_blocks / blocks_per_prefix))
+                prefixes = [[rng.randrange(10, vocab) for _ in range(args.prefix_tokens)] for _ in range(k)]
+
+                def prompt(p: list[int], rng: random.Random = rng) -> list[int]:
+                    return p + [rng.randrange(10, vocab) for _ in range(args.suffix_tokens)]
+
+                await run_all(client, [prompt(p) for p in prefixes], args.max_tokens, args.concurrency)
+                q0, h0 = await counters(client)
+                picks = [prefixes[rng.randrange(k)] for _ in range(args.requests)]
+                t0 = time.perf_counter()
+                out = await run_all(client, [prompt(p) for p in picks], args.max_tokens, args.concurrency)
+                wall = time.perf_counter() - t0
+                q1, h1 = await counters(client)
+                ttfts = [o[0] * 1000 for o in out]
+                spread: dict[str, int] = {}
+                for o in out:
+                    spread[o[2]] = spread.get(o[2], 0) + 1
+                rows.append({"part": "a", "variant": name, "replicas": replicas, "ratio": ratio,
+                             "prefixes": k, "requests": len(out), "hit_rate": (h1 - h0) / max(1, q1 - q0),
+                             "ttft_p50_ms": statistics.median(ttfts), "ttft_p99_ms": percentile(ttfts, 0.99),
+                             "wall_s": wall, "per_replica": sorted(spread.values())})
+                print_row(rows[-1])
+        serve.delete(APP_NAME)
+    return rows
+
+
+async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[str, Any]]:
+    from ray import serve
+
+    rows: list[dict[str, Any]] = []
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, vocab) for _ in range(args.tp_prompt_tokens)] for _ in range(args.tp_requests)]
+    for replicas in (1, 2):
+        cfg = config(args, args.tp_memory)
+        await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster))
+        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+            await run_all(client, prompts[: max(2, replicas * 2)], 4, args.tp_requests)  # warm-up
+            t0 = time.perf_counter()
+            out = await run_all(client, prompts, args.tp_max_tokens, args.tp_requests, ignore_eos=True)
+            wall = time.perf_counter() - t0
+        tokens = sum(o[1] for o in out)
+        rows.append({"part": "b", "variant": f"{replicas} replica(s)", "replicas": replicas,
+                     "requests": len(out), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall})
+        print_row(rows[-1])
+        serve.delete(APP_NAME)
+    if len(rows) == 2:
+        rows[1]["speedup"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+        print(f"  2 replicas / 1 replica tokens/s: {rows[1]['speedup']:.2f}x")
+    return rows
+
+
+def print_row(r: dict[str, Any]) -> None:
+    if r["part"] == "a":
+        print(f"  ratio {r['ratio']:<4} {r['variant']:<13} prefixes {r['prefixes']:>3}  hit {r['hit_rate']:6.1%}  "
+              f"TTFT p50 {r['ttft_p50_ms']:7.1f} ms  p99 {r['ttft_p99_ms']:7.1f} ms  per replica {r['per_replica']}",
+              flush=True)
+    else:
+        print(f"  {r['variant']:<13} {r['tokens']} tokens in {r['wall_s']:.1f} s: {r['tokens_per_s']:.0f} tok/s",
+              flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="synthetic:tiny")
+    p.add_argument("--parts", default="a,b")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mlx", "auto"])
+    p.add_argument("--gpus-per-replica", type=float, default=1.0)
+    p.add_argument("--cpus-per-replica", type=float, default=0.5)
+    p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--pool-blocks", type=int, default=256, help="(a) each replica's pool, in blocks")
+    p.add_argument("--prefix-tokens", type=int, default=128)
+    p.add_argument("--suffix-tokens", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.5, 1.0, 2.0])
+    p.add_argument("--requests", type=int, default=160)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--tp-requests", type=int, default=32)
+    p.add_argument("--tp-prompt-tokens", type=int, default=64)
+    p.add_argument("--tp-max-tokens", type=int, default=64)
+    p.add_argument("--tp-memory", default="1GiB")
+    p.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    p.add_argument("--out", default="benchmarks/results/cluster.json")
+    args = p.parse_args()
+    if args.quick:
+        args.requests, args.tp_requests, args.tp_max_tokens = 48, 8, 16
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray import serve
+
+    facts = anyio.run(model_facts, args)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start_ray(config(args, "1GiB"), 2, log_to_driver=False)
+    rows: list[dict[str, Any]] = []
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        url = f"http://127.0.0.1:{port}"
+        if "a" in args.parts:
+            print(f"(a) prefix routing: {args.pool_blocks}-block pools, {args.prefix_tokens}-token prefixes, "
+                  f"{args.requests} requests at concurrency {args.concurrency}", flush=True)
+            rows += asyncio.run(part_a(args, url, facts))
+        if "b" in args.parts:
+            print(f"(b) throughput: {args.tp_requests} requests x {args.tp_max_tokens} tokens, all at once", flush=True)
+            rows += asyncio.run(part_b(args, url, facts[2]))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    meta = {"model": args.model, "device": args.device, "cpus": os.cpu_count(), "python": sys.version.split()[0],
+            "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_bytes(msgspec.json.format(msgspec.json.encode({"meta": meta, "rows": rows})))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""`serve --replicas 2` for real: two `Scheduler` replicas of synthetic:tiny on a local Ray
+(127.0.0.1, no dashboard), our router, one OpenAI-compatible port. One cluster for the module:
+Ray takes ~30 s to start on 2 cores. The killed-replica and drain tests run last."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import msgspec
+import pytest
+
+pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed; make test installs it")
+
+import openai  # noqa: E402
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from scheduler.cluster.app import APP_NAME, deploy, start_ray  # noqa: E402
+from scheduler.config import SchedulerConfig  # noqa: E402
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
+
+pytestmark = pytest.mark.integration
+
+TOML = """
+[model]
+path = "synthetic:tiny"
+cache_dir = "{cache}"
+[kvpool]
+memory = "64MiB"
+block_tokens = 16
+[worker]
+max_batch = 8
+[cluster]
+num_cpus = 0.5
+stats_period_s = 0.2
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def cluster(model_cache: Path) -> Iterator[str]:
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    config = SchedulerConfig.from_toml(TOML.format(cache=model_cache))
+    from workers.models import resolve_model
+
+    resolve_model(config.model.path, config.model.cache_dir)
+    port = _free_port()
+    start_ray(config, 2, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        deploy(config, 2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def health(url: str) -> dict[str, Any]:
+    reply = httpx.get(f"{url}/health", timeout=30)
+    assert reply.status_code == 200, reply.text
+    return dict(reply.json())
+
+
+def complete(url: str, **body: Any) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"max_tokens": 4, "temperature": 0, **body}, timeout=60)
+
+
+def test_streaming_through_the_official_client(cluster: str) -> None:
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(model="synthetic:tiny", prompt="Once upon a time", max_tokens=8,
+                                       temperature=0, stream=True)
+    parts = list(stream)
+    assert len(parts) >= 2 and parts[-1].choices[0].finish_reason == "length"
+    streamed = "".join(p.choices[0].text for p in parts)
+    whole = client.completions.create(model="synthetic:tiny", prompt="Once upon a time", max_tokens=8,
+                                      temperature=0)
+    assert whole.choices[0].text == streamed and whole.usage is not None
+    assert whole.usage.completion_tokens == 8
+    chat = client.chat.completions.create(model="synthetic:tiny", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=5, stream=True)
+    deltas = list(chat)
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert deltas[-1].choices[0].finish_reason == "length"
+    raw = client.completions.with_raw_response.create(model="m", prompt="x y z", max_tokens=2)
+    assert raw.headers["x-replica"] in {r["replica"] for r in health(cluster)["replicas"]}
+
+
+def test_bad_input_gets_the_single_process_errors(cluster: str) -> None:
+    bad = complete(cluster, prompt="hello", temperature=-1)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+    assert httpx.get(f"{cluster}/v1/nope", timeout=30).status_code == 404
+    models = httpx.get(f"{cluster}/v1/models", timeout=30).json()
+    assert models["data"][0]["id"] == "synthetic:tiny"
+
+
+def test_eight_sessions_stay_on_their_replica(cluster: str) -> None:
+    def converse(n: int) -> list[str]:
+        history, seen = f"Session {n} starts with a story about the number {n * 7}.", []
+        for turn in range(4):
+            reply = complete(cluster, prompt=history, session=f"conv-{n}")
+            assert reply.status_code == 200, reply.text
+            seen.append(reply.headers["x-replica"])
+            history += reply.json()["choices"][0]["text"] + f" Then turn {turn} asks more."
+        return seen
+
+    with ThreadPoolExecutor(8) as pool:
+        turns = list(pool.map(converse, range(8)))
+    for seen in turns:
+        assert len(set(seen)) == 1, turns  # every turn on the replica that holds the session
+    routing = health(cluster)["routing"]
+    assert routing.get("session", 0) >= 8 * 3  # turns 2-4 were routed by session
+
+
+def test_a_shared_prefix_goes_where_its_blocks_are(cluster: str) -> None:
+    prefix = "A long shared system prompt that many requests begin with. " * 8
+    first = complete(cluster, prompt=prefix + "Question one?")
+    where = {complete(cluster, prompt=prefix + f"Question {i}?").headers["x-replica"] for i in range(6)}
+    assert where == {first.headers["x-replica"]}
+    assert health(cluster)["routing"].get("prefix", 0) >= 6
+
+
+def test_health_and_metrics_cover_every_replica(cluster: str) -> None:
+    body = health(cluster)
+    replicas = body["replicas"]
+    # The router's own count of requests in flight came back to 0 (bar this health call's fan-out).
+    assert sum(body["in_flight"].values()) <= len(replicas) and set(body["in_flight"]) <= {r["replica"] for r in replicas}
+    assert len(replicas) == 2 and all(r["stats"]["blocks_total"] > 0 for r in replicas)
+    assert sum(r["stats"]["finished"] for r in replicas) > 0
+    text = httpx.get(f"{cluster}/metrics", timeout=30).text
+    for r in replicas:
+        assert f'replica="{r["replica"]}"' in text
+    helps = [line for line in text.splitlines() if line.startswith("# HELP ")]
+    assert len(helps) == len(set(helps)) > 0  # one HELP per family, samples of both replicas under it
+
+
+def test_a_killed_replica_ends_its_requests_and_is_replaced(cluster: str) -> None:
+    before = {r["replica"]: r["pid"] for r in health(cluster)["replicas"]}
+    body = {"prompt": "tell me everything", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    started = time.monotonic()
+    with httpx.stream("POST", f"{cluster}/v1/completions", json=body, timeout=60) as reply:
+        victim = reply.headers["x-replica"]
+        lines = reply.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        os.kill(before[victim], signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data:")]
+    assert time.monotonic() - started < 60  # no hang
+    error = msgspec.json.decode(rest[-2][5:])["error"]  # an error event naming the replica, then [DONE]
+    assert error["code"] == "replica_failed" and victim in error["message"], error
+    assert rest[-1] == "data: [DONE]"
+    # New requests go to the survivor at once.
+    served = [complete(cluster, prompt=f"after the crash {i}") for i in range(6)]
+    assert all(r.status_code == 200 for r in served), [r.text for r in served if r.status_code != 200]
+    assert victim not in {r.headers["x-replica"] for r in served}
+    # Serve starts a replacement, and it rejoins the routing.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        now = {r["replica"] for r in health(cluster)["replicas"]}
+        if len(now) == 2 and victim not in now:
+            break
+        time.sleep(1)
+    assert len(now) == 2 and victim not in now, now
+    newcomer = (now - set(before)).pop()
+    by_replica: dict[str, int] = defaultdict(int)
+    for i in range(16):
+        by_replica[complete(cluster, prompt=f"fresh prompt number {i * 13}").headers["x-replica"]] += 1
+    assert by_replica[newcomer] > 0, by_replica
+
+
+def test_draining_answers_503(cluster: str) -> None:
+    frontend = serve.get_app_handle(APP_NAME)
+    assert frontend.drain.remote(5.0).result(timeout_s=30) == 0
+    reply = complete(cluster, prompt="too late")
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "shutting_down"

@@ -1,0 +1,197 @@
+"""The cluster's routing decision (`scheduler.cluster.routing.choose`, pure) and the merged
+Prometheus text. No Ray: these run everywhere."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from scheduler.cluster.prom import label_replica, merge
+from scheduler.cluster.routing import Affinity, Load, Route, Thresholds, choose, overloaded
+from scheduler.config import SchedulerConfig
+from scheduler.errors import ConfigError
+from scheduler.kvplan import prompt_keys
+
+LIMITS = Thresholds(balance_abs=4, balance_rel=1.5, prefix_min_blocks=1)
+
+
+def loads(**by_id: int) -> list[Load]:
+    return [Load(i, n, capacity=100) for i, n in by_id.items()]
+
+
+def test_target_names_one_replica_or_none() -> None:
+    aff = Affinity()
+    assert choose(loads(a=0, b=9), Route(target="b"), aff, LIMITS).ranked == [["b"]]
+    assert choose(loads(a=0), Route(target="gone"), aff, LIMITS).ranked == []
+
+
+def test_session_goes_alone_to_its_owner_whatever_the_load() -> None:
+    aff = Affinity()
+    aff.served("b", Route(session="s1"))
+    d = choose(loads(a=0, b=50), Route(session="s1"), aff, LIMITS)
+    # Alone in its rank and no other rank: Serve waits for the owner instead of a second choice.
+    assert (d.ranked, d.reason) == ([["b"]], "session")
+
+
+def test_session_moves_only_when_its_owner_is_full_or_gone() -> None:
+    aff = Affinity()
+    aff.served("b", Route(session="s1"))
+    full = [Load("a", 0, 100), Load("b", 100, 100)]
+    assert choose(full, Route(session="s1"), aff, LIMITS).ranked[0] == ["a"]
+    aff.forget("b")
+    assert aff.owner("s1") is None
+    assert choose(loads(a=3, c=1), Route(session="s1"), aff, LIMITS).reason == "p2c"
+
+
+def test_prefix_affinity_picks_the_longest_leading_run() -> None:
+    prompt = list(range(1, 200))
+    keys = tuple(prompt_keys(prompt, 16))
+    aff = Affinity()
+    aff.holds("a", keys[:2])
+    aff.holds("b", keys[:5])
+    aff.holds("c", keys[3:])  # later blocks without the first ones are no hit
+    d = choose(loads(a=0, b=1, c=0), Route(keys=keys), aff, LIMITS)
+    assert (d.ranked[0], d.reason, d.matched_blocks) == (["b"], "prefix", 5)
+    assert d.ranked[1] == ["a", "c"]  # the rest, least-loaded first
+    assert aff.matched("c", keys) == 0
+
+
+def test_load_guard_falls_back_to_the_least_loaded() -> None:
+    keys = (11, 12, 13)
+    aff = Affinity()
+    aff.holds("b", keys)
+    # 6 over and 7x: both thresholds exceeded.
+    d = choose(loads(a=1, b=7), Route(keys=keys), aff, LIMITS)
+    assert (d.ranked[0], d.reason) == (["a"], "guard")
+    # 4 over (not more than abs=4): stays with the prefix.
+    assert choose(loads(a=2, b=6), Route(keys=keys), aff, LIMITS).reason == "prefix"
+    # 20 over but only 1.4x (not more than rel=1.5): stays too.
+    assert choose(loads(a=50, b=70), Route(keys=keys), aff, LIMITS).reason == "prefix"
+
+
+def test_overloaded_counts_a_full_queue() -> None:
+    assert overloaded(Load("b", 5, capacity=5), Load("a", 5), LIMITS)
+    assert not overloaded(Load("b", 4, capacity=5), Load("a", 4), LIMITS)
+
+
+def test_power_of_two_prefers_the_lighter_and_spreads_ties() -> None:
+    rng = random.Random(1)
+    aff = Affinity()
+    picks = Counter(choose(loads(a=0, b=0, c=0), Route(), aff, LIMITS, rng).ranked[0][0]
+                    for _ in range(300))
+    assert set(picks) == {"a", "b", "c"} and min(picks.values()) > 50
+    # With two replicas, both are drawn: the lighter always wins.
+    assert all(choose(loads(a=3, b=1), Route(), aff, LIMITS, rng).ranked[0] == ["b"]
+               for _ in range(20))
+
+
+def test_affinity_remembers_no_more_than_a_replica_pool_holds() -> None:
+    aff = Affinity(remembered_blocks=100)
+    aff.capacity("a", 3)
+    aff.holds("a", [1, 2, 3, 4, 5])
+    assert aff.matched("a", [3, 4, 5]) == 3 and aff.matched("a", [1]) == 0
+
+
+def test_one_or_no_replica() -> None:
+    assert choose([], Route(), Affinity(), LIMITS).ranked == []
+    assert choose(loads(a=99), Route(session="x"), Affinity(), LIMITS).ranked == [["a"]]
+
+
+def test_served_records_session_and_blocks() -> None:
+    aff = Affinity()
+    aff.served("a", Route(session="s", keys=(1, 2)))
+    assert aff.owner("s") == "a" and aff.matched("a", (1, 2, 3)) == 2
+
+
+def test_cluster_section_parses_and_rejects_bad_values() -> None:
+    cfg = SchedulerConfig.from_toml(
+        b"[cluster]\nreplicas = 3\ndevice = 'cuda'\ngpus_per_replica = 0.5\nbalance_abs_threshold = 8\n"
+    )
+    assert (cfg.cluster.replicas, cfg.cluster.device, cfg.cluster.gpus_per_replica) == (3, "cuda", 0.5)
+    assert Thresholds.of(cfg.cluster).balance_abs == 8
+    with pytest.raises(ConfigError, match="cluster.replicas"):
+        SchedulerConfig.from_toml(b"[cluster]\nreplicas = 0\n")
+    with pytest.raises(ConfigError, match="cluster.balance_rel_threshold"):
+        SchedulerConfig.from_toml(b"[cluster]\nbalance_rel_threshold = 0.5\n")
+    with pytest.raises(ConfigError, match="cluster.device"):
+        SchedulerConfig.from_toml(b"[cluster]\ndevice = 'tpu'\n")
+
+
+def test_prometheus_text_labelled_and_merged() -> None:
+    text = ("# HELP reqs Requests.\n# TYPE reqs counter\nreqs 3\n"
+            "# HELP lat Latency.\n# TYPE lat histogram\nlat_bucket{le=\"0.1\"} 1\nlat_count 1\n")
+    a, b = label_replica(text, "r1"), label_replica(text, "r2")
+    assert 'reqs{replica="r1"} 3' in a
+    assert 'lat_bucket{replica="r2",le="0.1"} 1' in b
+    merged = merge([a, b]).splitlines()
+    assert merged.count("# HELP reqs Requests.") == 1 and merged.count("# TYPE lat histogram") == 1
+    reqs = merged.index("# TYPE reqs counter")
+    assert merged[reqs + 1 : reqs + 3] == ['reqs{replica="r1"} 3', 'reqs{replica="r2"} 3']
+    assert label_replica('x{} 1\n', 'q"') == 'x{replica="q\\""} 1\n'
+
+
+def test_replicas_without_the_extra_say_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from scheduler.cli import build_parser
+    from scheduler.cluster import serve_replicas
+
+    args = build_parser().parse_args(["serve", "--replicas", "2", "--model", "synthetic:tiny"])
+    assert args.replicas == 2
+    monkeypatch.setitem(sys.modules, "ray.serve", None)  # as if the cluster extra were missing
+    with pytest.raises(SystemExit, match=r"needs the cluster extra: pip install 'mlx-scheduler\[cluster\]'"):
+        serve_replicas(args, SchedulerConfig(), 2)
+    trio = build_parser().parse_args(["serve", "--replicas", "2", "--trio"])
+    with pytest.raises(SystemExit, match="--trio serves one process"):
+        serve_replicas(trio, SchedulerConfig(), 2)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--replicas", "0"])
+
+
+class FakeGenerator:
+    """A replica's `generate` stream as Serve hands it to the frontend (for RemoteStream)."""
+
+    def __init__(self, items: list[object], then: Exception | None = None) -> None:
+        self.items, self.then, self.cancelled = list(items), then, False
+
+    async def __anext__(self) -> object:
+        if self.items:
+            return self.items.pop(0)
+        if self.then is not None:
+            raise self.then
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_full_replica_queue_is_429_and_a_dead_replica_an_error_chunk() -> None:
+    from scheduler.cluster.frontend import REPLICA_FAILED, RemoteStream
+    from scheduler.errors import QueueFull
+    from scheduler.http.errors import from_scheduler
+    from scheduler.types import Chunk
+
+    full = RemoteStream(FakeGenerator([("error", "QueueFull", "the queue holds 8 requests")]), "r1")
+    with pytest.raises(QueueFull) as caught:
+        await full.__anext__()
+    answer = from_scheduler(caught.value, "req-1")
+    assert (answer.status, answer.body.code) == (429, "queue_full")
+
+    gen = FakeGenerator([("chunk", Chunk(1, "hi", [5]))], then=RuntimeError("ActorDiedError"))
+    async with RemoteStream(gen, "r2") as dying:
+        assert (await dying.__anext__()).text == "hi"
+        last = await dying.__anext__()
+        assert (last.request_id, last.finish_reason) == (REPLICA_FAILED, "error")
+        assert last.error is not None and "r2" in last.error
+        with pytest.raises(StopAsyncIteration):
+            await dying.__anext__()
+    assert not gen.cancelled  # it ended on its own: nothing left to cancel
+
+    live = FakeGenerator([("chunk", Chunk(1, "a", [5]))])
+    async with RemoteStream(live, "r3") as stream:
+        await stream.__anext__()
+    assert live.cancelled  # left before its end (a client gone): the replica's request is cancelled
