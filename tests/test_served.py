@@ -1,16 +1,21 @@
 """The served path (issue 19): `usage.prompt_tokens_details.cached_tokens` from prefix blocks and
-sessions, in whole and streamed responses, on the real engine with the tiny model."""
+sessions, in whole and streamed responses, and streams that coalesce what a slow reader has not
+taken yet into one write; on the real engine with the tiny model."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
 
-from scheduler import SamplingParams
+from scheduler import SamplingParams, Scheduler
+from scheduler.http.app import create_app
+from scheduler.http.sse import coalesce
+from scheduler.types import Chunk
 from tests.test_actors import wait_idle
-from tests.test_server import events, served
+from tests.test_server import config, events, served
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -59,3 +64,51 @@ async def test_cached_tokens_count_a_sessions_kv_in_chat(model_cache: Path) -> N
     # The session holds the first turn's prompt and answer: all of it is reused, the new turn is not.
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert first["usage"]["prompt_tokens"] < cached < usage["prompt_tokens"]
+
+
+def test_coalesce_joins_text_and_tokens_and_keeps_the_last_ending() -> None:
+    first = Chunk(3, "He", [1])
+    assert coalesce(first, []) is first
+    last = Chunk(3, "!", [4], finish_reason="length", prompt_tokens=5, completion_tokens=3, cached_tokens=2)
+    merged = coalesce(first, [Chunk(3, "llo", [2, 3]), last])
+    assert merged == Chunk(3, "Hello!", [1, 2, 3, 4], finish_reason="length", prompt_tokens=5,
+                           completion_tokens=3, cached_tokens=2)
+
+
+async def test_a_stream_sends_what_a_slow_reader_missed_in_one_write(model_cache: Path) -> None:
+    body = {"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 5000), "server": ("test", 80)}
+    with anyio.fail_after(30):
+        async with Scheduler(config(model_cache)) as s:
+            direct = await s.complete([5, 6, 7], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+            sent: list[dict[str, Any]] = []
+            requested = False
+
+            async def receive() -> dict[str, Any]:
+                nonlocal requested
+                if not requested:
+                    requested = True
+                    return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+                await anyio.sleep_forever()
+                raise AssertionError
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+                if message.get("body"):  # a reader that takes the first write only once it all ended
+                    while s.stats().finished < 2:
+                        await anyio.sleep(0.005)
+
+            await create_app(scheduler=s)(scope, receive, send)
+            await wait_idle(s)
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    # The first event, then everything else (11 tokens, the ending, usage, [DONE]) in the last write.
+    assert len(bodies) == 2 and bodies[-1]["more_body"] is False
+    ev = events(b"".join(m["body"] for m in bodies).decode())
+    assert ev[-1] == "[DONE]" and ev[-2]["usage"]["completion_tokens"] == 12
+    assert ev[-3]["choices"][0]["finish_reason"] == "length"
+    assert "".join(e["choices"][0]["text"] for e in ev[:-2]) == direct.text
+    assert len(events(bodies[-1]["body"].decode())) == 3

@@ -276,6 +276,10 @@ class FailingStream:
             raise StopAsyncIteration
         return self.chunks.pop(0)
 
+    def ready(self) -> list[Chunk]:  # both chunks were delivered at once
+        ready, self.chunks = self.chunks, []
+        return ready
+
     def __aiter__(self) -> FailingStream:
         return self
 
