@@ -137,10 +137,14 @@ def sequential(model: object, tokenizer: object, prompts: list[list[int]], n: in
     return RunResult(Load(concurrency=n), records, time.perf_counter() - start, False)
 
 
+KV_MEMORY = os.environ.get("PEERS_KV_MEMORY", "8GiB")
+"""Our `[kvpool] memory` (weights included): 8GiB, unless the environment says otherwise."""
+
+
 def our_toml(model_dir: Path, n: int, worker: str) -> str:
     """Our settings, the same in-process and served: defaults plus the batch sizes of the peers."""
     return (f'[model]\npath = "{model_dir}"\n[worker]\nmax_batch = {n}\nprefill_batch = 8\n{worker}\n'
-            f'[kvpool]\nmemory = "8GiB"\n[logging]\nlevel = "warning"\n')
+            f'[kvpool]\nmemory = "{KV_MEMORY}"\n[logging]\nlevel = "warning"\n')
 
 
 def http_server(backend: str, model_dir: Path, n: int, worker: str, vllm_mlx: str | None,
@@ -153,7 +157,7 @@ def http_server(backend: str, model_dir: Path, n: int, worker: str, vllm_mlx: st
         toml.write_text(our_toml(model_dir, n, worker))
         cmd = [sys.executable, "-m", "scheduler.cli", "serve", "--config", str(toml),
                "--host", "127.0.0.1", "--port", "{port}"]
-        return MlxLmServer(model_dir, command=cmd, log_path=tmp / f"served-{n}.log")
+        return MlxLmServer(model_dir, command=cmd, log_path=tmp / f"served-{n}.log", start_timeout_s=300)
     assert backend == "vllm-mlx" and vllm_mlx is not None
     cmd = [vllm_mlx, "serve", str(model_dir), "--host", "127.0.0.1", "--port", "{port}",
            "--continuous-batching", "--max-num-seqs", str(n), "--completion-batch-size", str(n),
@@ -318,7 +322,9 @@ def main() -> None:
     model_dir = no_eos_model(args.model, args.cache_dir)
     codec = datasets.load_codec(model_dir)
     maker = datasets.PromptMaker(codec)
-    model, tokenizer = load_model(str(model_dir))
+    in_process = {"bare", "sequential"} & {b.partition(":")[0] for b in args.backends}
+    # Only the bare loop and stream_generate use a model in this process (an 8B one is 16 GB).
+    model, tokenizer = load_model(str(model_dir)) if in_process else (None, None)
     load_before = os.getloadavg()
     rows: list[dict[str, object]] = []
     runs: list[dict[str, object]] = []

@@ -5,6 +5,7 @@ taken yet into one write; on the real engine with the tiny model."""
 from __future__ import annotations
 
 import json
+import sys
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -112,3 +113,32 @@ async def test_a_stream_sends_what_a_slow_reader_missed_in_one_write(model_cache
     assert ev[-3]["choices"][0]["finish_reason"] == "length"
     assert "".join(e["choices"][0]["text"] for e in ev[:-2]) == direct.text
     assert len(events(bodies[-1]["body"].decode())) == 3
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a subprocess: once is enough
+async def test_the_benchmark_client_drives_our_server_process_like_the_peers(
+    tmp_path: Path, model_cache: Path
+) -> None:
+    # peers.py's `served` backend: `mlx-scheduler serve` in its own process, the peers' client.
+    import httpx
+
+    from scheduler.bench.datasets import RequestSpec
+    from scheduler.bench.mlxlm import MlxLmServer
+    from scheduler.bench.targets import OpenAITarget, Record, Sampling
+
+    toml = tmp_path / "s.toml"
+    toml.write_text(f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"\n'
+                    '[kvpool]\nblock_tokens = 16\n[logging]\nlevel = "warning"\n')
+    cmd = [sys.executable, "-m", "scheduler.cli", "serve", "--config", str(toml), "--port", "{port}"]
+    spec = RequestSpec(prompt="Once upon a time " * 8, prompt_tokens=0, max_tokens=9)
+    records = [Record(0, 9) for _ in range(3)]
+    with MlxLmServer(model_cache, command=cmd, log_path=tmp_path / "served.log", start_timeout_s=60) as server:
+        async with httpx.AsyncClient(timeout=30) as client:
+            target = OpenAITarget(client, server.url)
+            for rec in records:
+                await target.send(spec, Sampling(temperature=0.0, ignore_eos=True), rec)
+            body = {"prompt": spec.prompt, "max_tokens": 2, "ignore_eos": True}
+            usage = (await client.post(server.url + "/v1/completions", json=body)).json()["usage"]
+    assert all(r.ok and r.output_tokens == 9 and r.finish_reason == "length" for r in records), records
+    assert records[0].prompt_tokens == usage["prompt_tokens"] > 16
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] // 16 * 16
