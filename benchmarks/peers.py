@@ -305,7 +305,7 @@ def main() -> None:
                     help="the vllm-mlx executable of its own venv; adds the vllm-mlx backend")
     ap.add_argument("--warmup", type=int, default=1, choices=(0, 1),
                     help="1: before a level's first timed run of each backend (and before every "
-                         "mlx_lm.server run, a fresh process), one untimed wave of other prompts")
+                         "server run, a fresh process), one untimed wave of other prompts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/peers.json")
     args = ap.parse_args()
