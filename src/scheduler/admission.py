@@ -418,6 +418,7 @@ class Admission:
         prompt_tokens = len(live.submit.prompt)
         final = Chunk(
             rid, text, tokens, reason, prompt_tokens, live.completion_tokens, timings, error,
+            live.cached_tokens,
         )
         try:
             live.out.send_nowait(final)

@@ -273,6 +273,7 @@ class Scheduler:
             request_id=last.request_id, text="".join(text), token_ids=ids,
             finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
             completion_tokens=last.completion_tokens, timings=last.timings, error=last.error,
+            cached_tokens=last.cached_tokens,
         )
 
     def stats(self) -> SchedulerStats:

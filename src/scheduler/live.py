@@ -46,6 +46,8 @@ class Live:
     """A stop string ended it; its final text and tokens wait for the worker to keep its session."""
     preempting: bool = False
     preemptions: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens its first admission found cached (prefix blocks or a session)."""
 
 
 @dataclass

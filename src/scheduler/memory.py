@@ -86,6 +86,9 @@ class Memory:
         self.rows[live.item.rid] = live
         self._held += reply.blocks
         self._padding = padding
+        if live.preemptions == 0:  # a recompute after preemption reuses its own blocks: not the client's
+            hit = reply.session_tokens or reply.prefix_hits * plan.block_tokens
+            live.cached_tokens = min(hit, len(live.submit.prompt))
         c = self._counters
         if reply.session_tokens:
             c.session_hits += 1

@@ -29,6 +29,8 @@ class Chunk(msgspec.Struct, frozen=True):
     completion_tokens: int = 0
     timings: Timings | None = None
     error: str | None = None
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from prefix blocks or a session instead of prefill."""
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -42,6 +44,8 @@ class Completion(msgspec.Struct, frozen=True):
     completion_tokens: int
     timings: Timings
     error: str | None = None
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from prefix blocks or a session instead of prefill."""
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):
