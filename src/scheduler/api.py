@@ -73,6 +73,7 @@ class Scheduler:
             prefill_step=c.worker.prefill_step,
             step_token_budget=c.worker.step_token_budget,
             block_tokens=c.kvpool.block_tokens,
+            cuda_graphs=c.worker.cuda_graphs,
         )
         if faults is not None:
             self._factory = with_faults(self._factory, faults)
