@@ -26,6 +26,10 @@
 #               ray[serve] (the cluster extra) and its dependencies staged too: add them to
 #               ../shared/gpu/stage's extra requirements (Ray's wheel alone is ~70 MB, over one
 #               call's carry: split it as the CUDA half is).
+#   served      benchmarks/peers.py at 1 8 64: our server over HTTP beside the in-process scheduler
+#               and mlx_lm.server, one client for all (issue 19: served >= 0.97x in-process at 64)
+#   served-8b   the same for Llama-3.1-8B's shape (benchmarks/shapes.py builds it, ~16 GB, once),
+#               served and mlx_lm.server only (not a default stage; run once, not per model)
 # Writes JSON and a log under $OUT (or benchmarks/results/gpu).
 set -uo pipefail
 out=${OUT:-benchmarks/results/gpu}
@@ -61,6 +65,14 @@ for s in "${stages[@]}"; do
       peers-high)
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency 64 128 256 --warmup 1 \
           --backends bare scheduler mlx_lm.server --out "$out/peers-high-$m.json" ;;
+      served)
+        timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency ${SERVED_CONC:-1 8 64} \
+          --warmup 1 --backends scheduler served mlx_lm.server --out "$out/served-$m.json" ;;
+      served-8b)
+        [ "$m" = "${models[0]}" ] || continue
+        dir=$(timeout "$limit" python3 -P benchmarks/shapes.py llama-3.1-8b | tail -1) && \
+        PEERS_KV_MEMORY=40GiB timeout "$limit" python3 -P benchmarks/peers.py --model "$dir" --concurrency ${SERVED_CONC:-1 8 64} \
+          --warmup 1 --backends served mlx_lm.server --out "$out/served-llama-3.1-8b.json" ;;
       attribute)
         timeout "$limit" python3 -P benchmarks/overhead.py --model "synthetic:$m" --concurrency 64 \
           --prompt-tokens 128 --max-tokens 64 --waves 4 --warmup 1 --attribute --out "$out/attribute-$m.json" ;;

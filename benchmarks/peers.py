@@ -1,8 +1,14 @@
-"""Peers: one closed-loop workload through four backends, side by side in one run.
+"""Peers: one closed-loop workload through several backends, side by side in one run.
 
-(a) a bare `BatchGenerator` tight loop (the ceiling), (b) our `Scheduler` in-process, (c)
-`mlx_lm.server` started here on 127.0.0.1 with its batching flags, driven over HTTP by the same
-load generator as (b), (d) sequential `mlx_lm.stream_generate` (one request at a time, FIFO).
+(a) `bare`: a `BatchGenerator` tight loop (the ceiling), (b) `scheduler`: our `Scheduler`
+in-process (the embedding API, no HTTP), (c) `served`: `mlx-scheduler serve` in a process of its
+own, (d) `mlx_lm.server` and (e) `vllm-mlx` (with --vllm-mlx, the `vllm-mlx` executable of a
+separate venv), each started here on 127.0.0.1 and driven over HTTP by one and the same streaming
+client, (f) `sequential`: `mlx_lm.stream_generate`, one request at a time (FIFO). (c) runs with
+the same [worker]/[kvpool] settings as (b), so `served / scheduler` is what HTTP costs.
+
+For a compute-bound model on Linux CPU, run the whole script with OpenBLAS preloaded
+(`LD_PRELOAD=.../openblas-pthread/libblas.so.3`, MLX-NOTES.md): the servers inherit it.
 
 Every backend gets the same prompts (exactly --prompt-tokens tokens), greedy sampling and
 --max-tokens output tokens: the model is a copy of the synthetic one with its EOS rows of the
@@ -33,7 +39,9 @@ from scheduler.bench.runner import Load, RunResult, run_load
 from scheduler.bench.targets import OpenAITarget, Record, Sampling, SchedulerTarget
 from workers.models import load_model, resolve_model
 
-BACKENDS = ("bare", "scheduler", "mlx_lm.server", "sequential")
+BACKENDS = ("bare", "scheduler", "served", "mlx_lm.server", "vllm-mlx", "sequential")
+DEFAULT_BACKENDS = ("bare", "scheduler", "served", "mlx_lm.server", "sequential")
+HTTP_BACKENDS = ("served", "mlx_lm.server", "vllm-mlx")
 GREEDY = Sampling(temperature=0.0, ignore_eos=True)
 
 
@@ -129,13 +137,38 @@ def sequential(model: object, tokenizer: object, prompts: list[list[int]], n: in
     return RunResult(Load(concurrency=n), records, time.perf_counter() - start, False)
 
 
+KV_MEMORY = os.environ.get("PEERS_KV_MEMORY", "8GiB")
+"""Our `[kvpool] memory` (weights included): 8GiB, unless the environment says otherwise."""
+
+
+def our_toml(model_dir: Path, n: int, worker: str) -> str:
+    """Our settings, the same in-process and served: defaults plus the batch sizes of the peers."""
+    return (f'[model]\npath = "{model_dir}"\n[worker]\nmax_batch = {n}\nprefill_batch = 8\n{worker}\n'
+            f'[kvpool]\nmemory = "{KV_MEMORY}"\n[logging]\nlevel = "warning"\n')
+
+
+def http_server(backend: str, model_dir: Path, n: int, worker: str, vllm_mlx: str | None,
+                tmp: Path) -> MlxLmServer:
+    """The server process of an HTTP backend, not started yet."""
+    if backend == "mlx_lm.server":
+        return MlxLmServer(model_dir, decode_concurrency=n, prompt_concurrency=8)
+    if backend == "served":
+        toml = tmp / f"served-{n}.toml"
+        toml.write_text(our_toml(model_dir, n, worker))
+        cmd = [sys.executable, "-m", "scheduler.cli", "serve", "--config", str(toml),
+               "--host", "127.0.0.1", "--port", "{port}"]
+        return MlxLmServer(model_dir, command=cmd, log_path=tmp / f"served-{n}.log", start_timeout_s=300)
+    assert backend == "vllm-mlx" and vllm_mlx is not None
+    cmd = [vllm_mlx, "serve", str(model_dir), "--host", "127.0.0.1", "--port", "{port}",
+           "--continuous-batching", "--max-num-seqs", str(n), "--completion-batch-size", str(n),
+           "--prefill-batch-size", "8", "--offline"]
+    return MlxLmServer(model_dir, command=cmd, log_path=tmp / f"vllm-mlx-{n}.log", start_timeout_s=300)
+
+
 async def through_scheduler(
     model_dir: Path, specs: list[datasets.RequestSpec], n: int, worker: str
 ) -> RunResult:
-    config = SchedulerConfig.from_toml(
-        f'[model]\npath = "{model_dir}"\n[worker]\nmax_batch = {n}\nprefill_batch = 8\n{worker}\n'
-        f'[kvpool]\nmemory = "8GiB"\n[logging]\nlevel = "warning"\n'
-    )
+    config = SchedulerConfig.from_toml(our_toml(model_dir, n, worker))
     async with Scheduler(config) as sched:
         return await run_load(SchedulerTarget(sched), specs, Load(concurrency=n), GREEDY, progress=None)
 
@@ -150,24 +183,26 @@ async def through_http(url: str, specs: list[datasets.RequestSpec], n: int) -> R
 
 def run_backend(backend: str, model: object, tokenizer: object, model_dir: Path,
                 specs: list[datasets.RequestSpec], ids: list[list[int]], n: int, max_tokens: int,
-                warm: tuple[list[datasets.RequestSpec], list[list[int]]] | None = None) -> Report:
+                warm: tuple[list[datasets.RequestSpec], list[list[int]]] | None = None,
+                vllm_mlx: str | None = None, tmp: Path = Path(".")) -> Report:
     """One timed run; `warm` (other prompts) first runs untimed through the same backend (for
-    mlx_lm.server, in the same server process), so that kernel compilation is not timed."""
-    if backend == "bare":
-        if warm:
-            bare(model, warm[1], n, max_tokens)
-        run = bare(model, ids, n, max_tokens)
-    elif backend.startswith("scheduler"):
-        # "scheduler:key=value,..." sets [worker] keys, e.g. scheduler:step_token_budget=0
-        worker = "\n".join(kv.replace("=", " = ") for kv in backend.partition(":")[2].split(",") if kv)
-        if warm:
-            anyio.run(through_scheduler, model_dir, warm[0], n, worker)
-        run = anyio.run(through_scheduler, model_dir, specs, n, worker)
-    elif backend == "mlx_lm.server":
-        with MlxLmServer(model_dir, decode_concurrency=n, prompt_concurrency=8) as server:
+    a server, in the same server process), so that kernel compilation is not timed."""
+    name, _, keys = backend.partition(":")
+    # "scheduler:key=value,..." (or "served:...") sets [worker] keys, e.g. step_token_budget=0
+    worker = "\n".join(kv.replace("=", " = ") for kv in keys.split(",") if kv)
+    if name in HTTP_BACKENDS:
+        with http_server(name, model_dir, n, worker, vllm_mlx, tmp) as server:
             if warm:
                 anyio.run(through_http, server.url, warm[0], n)
             run = anyio.run(through_http, server.url, specs, n)
+    elif backend == "bare":
+        if warm:
+            bare(model, warm[1], n, max_tokens)
+        run = bare(model, ids, n, max_tokens)
+    elif name == "scheduler":
+        if warm:
+            anyio.run(through_scheduler, model_dir, warm[0], n, worker)
+        run = anyio.run(through_scheduler, model_dir, specs, n, worker)
     else:
         if warm:  # one request at a time: two warm it up
             sequential(model, tokenizer, warm[1][:2], n, max_tokens)
@@ -195,20 +230,37 @@ def print_table(rows: list[dict[str, object]]) -> None:
         print(f"{r['concurrency']:>4} {r['backend']:<{w}} {r['tok_s']:>8.1f} {ratio:>7} "
               f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f} {r['itl_p50_ms']:>8.1f} "
               f"{r['itl_p99_ms']:>8.1f} {r['output_tokens']:>7}")
-    seq = {r["concurrency"]: r for r in rows if r["backend"] == "sequential"}
-    for ours in (r for r in rows if str(r["backend"]).startswith("scheduler") and r["concurrency"] == 1):
-        one = seq.get(1)
-        if one is not None and float(one["tok_s"]) > 0:  # one user: mlx-lm's own speed is the bar
-            print(f"c=1: {ours['backend']} / sequential stream_generate: throughput "
-                  f"x{float(ours['tok_s']) / float(one['tok_s']):.2f} (goal >= 0.95), TTFT p50 "
-                  f"x{float(ours['ttft_p50_ms']) / float(one['ttft_p50_ms']):.2f} (goal <= 1.10)")
-    peer = {r["concurrency"]: r for r in rows if r["backend"] == "mlx_lm.server"}
-    for ours in (r for r in rows if str(r["backend"]).startswith("scheduler")):
-        other = peer.get(ours["concurrency"])
-        if other is not None and float(other["tok_s"]) > 0:
-            print(f"c={ours['concurrency']}: {ours['backend']} / mlx_lm.server: throughput "
-                  f"x{float(ours['tok_s']) / float(other['tok_s']):.2f}, p99 TTFT "
-                  f"x{float(ours['ttft_p99_ms']) / float(other['ttft_p99_ms']):.2f} (lower is better)")
+    print()
+    for r in rows:
+        ratios = ratios_of(r, rows)
+        if ratios:
+            print(f"c={r['concurrency']}: {r['backend']}: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
+
+
+def ratios_of(ours: dict[str, object], rows: list[dict[str, object]]) -> dict[str, float]:
+    """For our rows: throughput against the in-process scheduler (served rows only) and against
+    each HTTP peer, and p99 TTFT against mlx_lm.server's (lower is better)."""
+    name = str(ours["backend"]).partition(":")[0]
+    if name not in ("scheduler", "served"):
+        return {}
+    same = {str(r["backend"]): r for r in rows if r["concurrency"] == ours["concurrency"]}
+    out: dict[str, float] = {}
+    tok = float(ours["tok_s"])  # type: ignore[arg-type]
+    inproc = same.get(str(ours["backend"]).replace("served", "scheduler", 1))
+    if name == "served" and inproc is not None and float(inproc["tok_s"]) > 0:  # type: ignore[arg-type]
+        out["tok/s / in-process"] = tok / float(inproc["tok_s"])  # type: ignore[arg-type]
+    for peer in ("mlx_lm.server", "vllm-mlx"):
+        other = same.get(peer)
+        if other is not None and float(other["tok_s"]) > 0:  # type: ignore[arg-type]
+            out[f"tok/s / {peer}"] = tok / float(other["tok_s"])  # type: ignore[arg-type]
+    one = same.get("sequential")  # one user: mlx-lm's own speed is the bar (goals >= 0.95, <= 1.10)
+    if ours["concurrency"] == 1 and one is not None and float(one["tok_s"]) > 0:  # type: ignore[arg-type]
+        out["tok/s / stream_generate"] = tok / float(one["tok_s"])  # type: ignore[arg-type]
+        out["TTFT p50 / stream_generate"] = float(ours["ttft_p50_ms"]) / float(one["ttft_p50_ms"])  # type: ignore[arg-type]
+    other = same.get("mlx_lm.server")
+    if other is not None and float(other["ttft_p99_ms"]) > 0:  # type: ignore[arg-type]
+        out["TTFT p99 / mlx_lm.server"] = float(ours["ttft_p99_ms"]) / float(other["ttft_p99_ms"])  # type: ignore[arg-type]
+    return out
 
 
 def plot(rows: list[dict[str, object]], levels: list[int], path: Path) -> None:
@@ -250,27 +302,39 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=2, help="requests per level = max(8, waves x concurrency)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of each backend, interleaved; the table keeps each one's best (noisy hosts)")
-    ap.add_argument("--backends", nargs="+", default=list(BACKENDS),
-                    help=f"of {', '.join(BACKENDS)}; 'scheduler:KEY=VALUE,...' sets [worker] keys")
+    ap.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS),
+                    help=f"of {', '.join(BACKENDS)}; 'scheduler:KEY=VALUE,...' and 'served:...' set "
+                         "[worker] keys (default: all but vllm-mlx)")
+    ap.add_argument("--vllm-mlx", metavar="EXE",
+                    help="the vllm-mlx executable of its own venv; adds the vllm-mlx backend")
     ap.add_argument("--warmup", type=int, default=1, choices=(0, 1),
                     help="1: before a level's first timed run of each backend (and before every "
-                         "mlx_lm.server run, a fresh process), one untimed wave of other prompts")
+                         "server run, a fresh process), one untimed wave of other prompts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/peers.json")
     args = ap.parse_args()
+    if args.vllm_mlx and "vllm-mlx" not in args.backends:
+        args.backends.append("vllm-mlx")
     for b in args.backends:
         if b.partition(":")[0] not in BACKENDS:
             ap.error(f"unknown backend {b!r}; known: {', '.join(BACKENDS)}")
+    if "vllm-mlx" in args.backends and not args.vllm_mlx:
+        ap.error("the vllm-mlx backend needs --vllm-mlx PATH (its executable, in a venv of its own)")
 
     import mlx.core as mx
 
     model_dir = no_eos_model(args.model, args.cache_dir)
     codec = datasets.load_codec(model_dir)
     maker = datasets.PromptMaker(codec)
-    model, tokenizer = load_model(str(model_dir))
+    in_process = {"bare", "sequential"} & {b.partition(":")[0] for b in args.backends}
+    # Only the bare loop and stream_generate use a model in this process (an 8B one is 16 GB).
+    model, tokenizer = load_model(str(model_dir)) if in_process else (None, None)
     load_before = os.getloadavg()
     rows: list[dict[str, object]] = []
     runs: list[dict[str, object]] = []
+    out = Path(args.out)
+    tmp = out.parent / (out.stem + "-logs")  # server configs and logs
+    tmp.mkdir(parents=True, exist_ok=True)
     for n in args.concurrency:
         count = max(8, args.waves * n)
         best: dict[str, dict[str, object]] = {}
@@ -284,16 +348,17 @@ def main() -> None:
             assert all(s.prompt_tokens == args.prompt_tokens for s in specs), "prompt lengths differ"
             ids = [codec.encode(s.prompt) for s in specs]
             for backend in args.backends:
-                cold = args.warmup and (rep == 0 or backend == "mlx_lm.server")
+                # Every HTTP run is a fresh server process: each gets its warm-up.
+                cold = args.warmup and (rep == 0 or backend.partition(":")[0] in HTTP_BACKENDS)
                 report = run_backend(backend, model, tokenizer, model_dir, specs, ids, n, args.max_tokens,
-                                     warm if cold else None)
+                                     warm if cold else None, args.vllm_mlx, tmp)
                 ceiling = best["bare"]["tok_s"] if "bare" in best else None
                 r = row(backend, n, report, ceiling)
                 r["repeat"] = rep
                 runs.append(r)
                 if backend not in best or r["tok_s"] > best[backend]["tok_s"]:
                     best[backend] = r
-                print(f"  c={n:<3d} {backend:<14} {r['tok_s']:8.1f} tok/s  TTFT p99 {r['ttft_p99_ms']:8.1f} ms  "
+                print(f"  c={n:<3d} {backend:<16} {r['tok_s']:8.1f} tok/s  TTFT p99 {r['ttft_p99_ms']:8.1f} ms  "
                       f"ITL p99 {r['itl_p99_ms']:7.1f} ms  tokens {r['output_tokens']}  "
                       f"load {os.getloadavg()[0]:.1f}", flush=True)
                 expected = count * args.max_tokens
@@ -305,14 +370,14 @@ def main() -> None:
             r = dict(best[backend])
             r["ratio_to_bare"] = float(r["tok_s"]) / ceiling if ceiling else None
             rows.append(r)
+    for r in rows:
+        r["ratios"] = ratios_of(r, rows)
     print_table(rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "model": args.model, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
         "waves": args.waves, "repeat": args.repeat, "warmup": args.warmup, "device": str(mx.default_device()), "mlx": mx.__version__,
         "python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count(),
-        "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "date": time.strftime("%Y-%m-%d"),
+        "openblas": os.environ.get("LD_PRELOAD", ""), "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "date": time.strftime("%Y-%m-%d"),
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=2))
     png = out.with_suffix(".png")

@@ -6,9 +6,11 @@ from typing import TYPE_CHECKING
 
 from structlog.testing import capture_logs
 
-from workers.cuda import CUDA_DEFAULTS, apply_cuda_defaults, cuda_defaults, on_cuda
+from workers.cuda import CUDA_DEFAULTS, apply_cuda_defaults, cuda_defaults, graphs_wanted, on_cuda
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import pytest
 
 
@@ -40,3 +42,29 @@ def test_apply_on_this_machine_logs_what_it_set(monkeypatch: pytest.MonkeyPatch)
         assert [e["event"] for e in logs] == ["cuda_defaults_applied"]
     else:  # CI and Apple Silicon: nothing changes, nothing is logged
         assert applied == {} and logs == []
+
+
+def test_graphs_stay_on_when_wanted() -> None:
+    env: dict[str, str] = {}
+    assert cuda_defaults(env, cuda=True, graphs=True) == {}
+    assert env == {}
+
+
+def _model_dir(directory: Path, config: str, weights: int) -> Path:
+    directory.mkdir()
+    (directory / "config.json").write_text(config)
+    with open(directory / "model.safetensors", "wb") as f:
+        f.truncate(weights)  # sparse: only the size counts
+    return directory
+
+
+def test_auto_keeps_graphs_for_large_or_quantized_models(tmp_path: Path) -> None:
+    small = _model_dir(tmp_path / "small", "{}", 2 * 2**30)
+    large = _model_dir(tmp_path / "large", "{}", 16 * 2**30)
+    quant = _model_dir(tmp_path / "quant", '{"quantization": {"bits": 4, "group_size": 64}}', 4 * 2**30)
+    assert graphs_wanted("auto", small) is False
+    assert graphs_wanted("auto", large) is True
+    assert graphs_wanted("auto", quant) is True
+    assert graphs_wanted("on", small) is True
+    assert graphs_wanted("off", large) is False
+    assert graphs_wanted("auto", None) is False

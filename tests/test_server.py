@@ -75,7 +75,8 @@ async def test_completions_whole_and_streamed_agree(model_cache: Path) -> None:
     assert w["object"] == "text_completion" and w["model"] == "synthetic:tiny" and w["id"] == whole.headers["x-request-id"]
     assert w["choices"] == [{"index": 0, "text": direct.text, "finish_reason": "length", "logprobs": None}]
     assert w["usage"] == {"prompt_tokens": direct.prompt_tokens, "completion_tokens": 7,
-                          "total_tokens": direct.prompt_tokens + 7}
+                          "total_tokens": direct.prompt_tokens + 7,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
     ev = events(streamed.text)
     assert ev[-1] == "[DONE]" and ev[-2]["choices"] == [] and ev[-2]["usage"] == w["usage"]
@@ -274,6 +275,10 @@ class FailingStream:
         if not self.chunks:
             raise StopAsyncIteration
         return self.chunks.pop(0)
+
+    def ready(self) -> list[Chunk]:  # both chunks were delivered at once
+        ready, self.chunks = self.chunks, []
+        return ready
 
     def __aiter__(self) -> FailingStream:
         return self

@@ -57,6 +57,7 @@ def real_engine_factory(c: SchedulerConfig) -> EngineFactory[Loaded]:
         prefill_step=c.worker.prefill_step,
         step_token_budget=c.worker.step_token_budget,
         block_tokens=c.kvpool.block_tokens,
+        cuda_graphs=c.worker.cuda_graphs,
     )
 
 

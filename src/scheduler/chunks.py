@@ -75,6 +75,17 @@ class ChunkReceiver:
             await waiter.wait()
         return s.buffer.popleft()
 
+    def receive_nowait(self) -> Chunk:
+        """A chunk already delivered; WouldBlock when there is none yet, EndOfStream at the end."""
+        s = self._s
+        if s.buffer:
+            return s.buffer.popleft()
+        if s.gone:
+            raise anyio.ClosedResourceError
+        if s.closed:
+            raise anyio.EndOfStream
+        raise anyio.WouldBlock
+
     def close(self) -> None:
         self._s.gone = True
         self._s.buffer.clear()

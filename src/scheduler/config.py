@@ -91,6 +91,10 @@ class WorkerSection(_Section):
     on a GPU, off. 0 turns the bound off."""
     on_failure: Literal["restart", "close"] = "restart"
     """After a failed step: a fresh BatchGenerator serves the queue, or the scheduler closes."""
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    """MLX's CUDA graphs (CUDA backend only; `MLX_USE_CUDA_GRAPHS` in the environment wins).
+    "auto": off for unquantized models under 8 GiB of weights (their host-bound step was faster
+    without), on for larger or quantized ones (README, "On a GPU")."""
 
 
 DEFAULT_MEMORY = 0.8

@@ -225,8 +225,9 @@ class Memory:
     def _count_hits(self, live: Live, reply: Granted) -> None:
         c = self._counters
         live.pinned = reply.prefix_hits > 0
-        if live.preemptions == 0:  # what the caller is told: its own prompt's first admission
-            live.cached_tokens = reply.session_tokens or reply.prefix_hits * self.plan.block_tokens
+        if live.preemptions == 0:  # a recompute after preemption reuses its own blocks: not the client's
+            hit = reply.session_tokens or reply.prefix_hits * self.plan.block_tokens
+            live.cached_tokens = min(hit, len(live.submit.prompt))
         if reply.session_tokens:
             c.session_hits += 1
         elif self._prefix_cache:

@@ -74,6 +74,22 @@ class RequestStream:
             self._recv.close()
         return chunk
 
+    def ready(self) -> list[Chunk]:
+        """The chunks already delivered, without waiting: none before the first `__anext__`, and
+        none after the last one. A server that fell behind sends them as one (issue 19)."""
+        out: list[Chunk] = []
+        recv = self._recv
+        while recv is not None and not self._done:
+            try:
+                chunk = recv.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break  # EndOfStream: the next __anext__ says so
+            out.append(chunk)
+            if chunk.finish_reason is not None:
+                self._done = True
+                recv.close()
+        return out
+
     def _abandon(self) -> None:
         if self._done:
             return

@@ -30,7 +30,7 @@ class Chunk(msgspec.Struct, frozen=True):
     timings: Timings | None = None
     error: str | None = None
     cached_tokens: int = 0
-    """Prompt tokens whose KV came from cached prefix blocks or a session, not prefill."""
+    """Prompt tokens whose KV came from prefix blocks or a session instead of prefill."""
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -45,7 +45,7 @@ class Completion(msgspec.Struct, frozen=True):
     timings: Timings
     error: str | None = None
     cached_tokens: int = 0
-    """Prompt tokens whose KV came from cached prefix blocks or a session, not prefill."""
+    """Prompt tokens whose KV came from prefix blocks or a session instead of prefill."""
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):

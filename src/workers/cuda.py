@@ -3,12 +3,15 @@
 MLX reads its `MLX_*` variables once, when it first uses the GPU, so these go into the process
 environment before the worker loads the model; a variable the user has set is left alone. Measured
 on an H100 with `benchmarks/cuda_settings.py` (README, "On a GPU"): with CUDA graphs off the
-decode step was faster at batch 1 to 256 on the qwen2.5-0.5b and llama-3.2-1b shapes (the KV
-length changes every step, so captured graphs do not replay).
+decode step was faster at batch 1 to 256 on the qwen2.5-0.5b and llama-3.2-1b shapes (host-bound:
+the KV length changes every step, so captured graphs do not replay), but slower at batch 1, 64 and
+256 on an 8B bf16 shape, and 4-bit matmuls were 1.7-1.8x slower with graphs off. So it depends:
+`[worker] cuda_graphs = "auto"` turns graphs off only for small unquantized models.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING
 
@@ -17,10 +20,15 @@ import structlog
 
 if TYPE_CHECKING:
     from collections.abc import MutableMapping
+    from pathlib import Path
 
 log = structlog.get_logger(__name__)
 
 CUDA_DEFAULTS: dict[str, str] = {"MLX_USE_CUDA_GRAPHS": "0"}
+"""What "auto" sets for a small unquantized model."""
+GRAPHS_ON_FROM_BYTES = 8 * 2**30
+"""With "auto", models whose weights on disk reach this keep CUDA graphs (the 8B bf16 shape's
+step was faster with them; the 1B shape's, 2.5 GB, without)."""
 
 
 def on_cuda() -> bool:
@@ -29,18 +37,37 @@ def on_cuda() -> bool:
     return bool(cuda is not None and cuda.is_available())
 
 
-def cuda_defaults(env: MutableMapping[str, str], cuda: bool) -> dict[str, str]:
-    """Put each of `CUDA_DEFAULTS` the user has not set into `env` (only on CUDA); return them."""
-    if not cuda:
+def graphs_wanted(choice: str, model_dir: Path | None) -> bool:
+    """Whether CUDA graphs should stay on for `[worker] cuda_graphs = choice`: "on"/"off" as
+    said; "auto": on for quantized models and for weights of `GRAPHS_ON_FROM_BYTES` or more."""
+    if choice != "auto":
+        return choice == "on"
+    if model_dir is None:
+        return False
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    if isinstance(config, dict) and ("quantization" in config or "quantization_config" in config):
+        return True
+    size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    return size >= GRAPHS_ON_FROM_BYTES
+
+
+def cuda_defaults(env: MutableMapping[str, str], cuda: bool, graphs: bool = False) -> dict[str, str]:
+    """Put each of the CUDA settings the user has not set into `env` (only on CUDA); return them.
+    `graphs`: leave MLX's CUDA graphs on (its own default), so nothing is set."""
+    if not cuda or graphs:
         return {}
     applied = {k: v for k, v in CUDA_DEFAULTS.items() if k not in env}
     env.update(applied)
     return applied
 
 
-def apply_cuda_defaults() -> dict[str, str]:
+def apply_cuda_defaults(choice: str = "auto", model_dir: Path | None = None) -> dict[str, str]:
     """`cuda_defaults` on the process environment, logged once when it sets anything."""
-    applied = cuda_defaults(os.environ, on_cuda())
+    cuda = on_cuda()
+    applied = cuda_defaults(os.environ, cuda, cuda and graphs_wanted(choice, model_dir))
     if applied:
         log.info("cuda_defaults_applied", **applied,
                  note="set the variable yourself to override; read once, at MLX's first GPU use")

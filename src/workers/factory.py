@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache
 
 from workers.cuda import apply_cuda_defaults
 from workers.engine import Engine, MLXEngine
-from workers.models import ModelInfo, load_model, model_info
+from workers.models import ModelInfo, load_model, model_info, resolve_model
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -59,12 +59,15 @@ def mlx_engine_factory(
     prefill_step: int,
     step_token_budget: int | str = "auto",
     block_tokens: int = 256,
+    cuda_graphs: str = "auto",
 ) -> Callable[[], tuple[Engine, Loaded]]:
     """A factory to call on the worker thread (MLX streams are thread-local)."""
 
     def build() -> tuple[Engine, Loaded]:
-        apply_cuda_defaults()  # before the model's first GPU use: MLX reads them once
-        model, tokenizer = load_model(path, cache_dir)
+        directory = resolve_model(path, cache_dir)
+        # Before the model's first GPU use: MLX reads them once.
+        apply_cuda_defaults(cuda_graphs, directory)
+        model, tokenizer = load_model(str(directory), cache_dir)
         info = model_info(model, tokenizer, path)
         engine = MLXEngine(
             model,

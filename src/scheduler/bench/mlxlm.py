@@ -12,6 +12,7 @@ import urllib.request
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from pathlib import Path
     from types import TracebackType
 
@@ -26,7 +27,8 @@ def free_port() -> int:
 
 class MlxLmServer:
     """`python -m mlx_lm server --model DIR --host 127.0.0.1 --port P ...` as a context manager:
-    entering waits until `/health` answers (or raises with the server's log tail)."""
+    entering waits until `/health` answers (or raises with the server's log tail). `command`
+    runs another server instead (ours, vllm-mlx): its argv, with `{port}` for the port."""
 
     def __init__(
         self,
@@ -37,6 +39,7 @@ class MlxLmServer:
         extra_args: tuple[str, ...] = (),
         log_path: Path | None = None,
         start_timeout_s: float = 120.0,
+        command: Sequence[str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
@@ -44,7 +47,7 @@ class MlxLmServer:
             sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--host", HOST,
             "--port", str(self.port), "--decode-concurrency", str(decode_concurrency),
             "--prompt-concurrency", str(prompt_concurrency), "--log-level", "WARNING", *extra_args,
-        ]
+        ] if command is None else [a.replace("{port}", str(self.port)) for a in command]
         self._log_path = log_path
         self._timeout = start_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
@@ -71,7 +74,8 @@ class MlxLmServer:
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"mlx_lm server exited with {self._proc.returncode}{self._tail()}")
+                name = " ".join(self._args[:4])
+                raise RuntimeError(f"{name} exited with {self._proc.returncode}{self._tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
                     if resp.status == 200:

@@ -78,6 +78,11 @@ class RemoteStream:
     def __aiter__(self) -> RemoteStream:
         return self
 
+    def ready(self) -> list[Chunk]:
+        """Chunks already here without waiting: none, since each comes from the replica by an
+        await (`EventStream` coalesces only what a local stream has buffered)."""
+        return []
+
     async def __anext__(self) -> Chunk:
         if self._ended:
             raise StopAsyncIteration

@@ -12,14 +12,21 @@ if TYPE_CHECKING:
 _encode = msgspec.json.Encoder().encode
 
 
+class PromptTokensDetails(msgspec.Struct, frozen=True):
+    cached_tokens: int
+    """Prompt tokens served from prefix blocks or a session (as vLLM and mlx_lm.server report)."""
+
+
 class Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 def usage(last: Chunk) -> Usage:
-    return Usage(last.prompt_tokens, last.completion_tokens, last.prompt_tokens + last.completion_tokens)
+    return Usage(last.prompt_tokens, last.completion_tokens, last.prompt_tokens + last.completion_tokens,
+                 PromptTokensDetails(last.cached_tokens))
 
 
 class CompletionChoice(msgspec.Struct, frozen=True):

@@ -99,30 +99,33 @@ class EventStream(Response):
                 try:
                     await send({"type": "http.response.start", "status": 200,
                                 "headers": self.raw_headers})
-                    await self._pump(send)
+                    last = await self._pump(send)
                     ended = True
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    await send({"type": "http.response.body", "body": _frames(last), "more_body": False})
                 except OSError:
                     pass  # the client went away; servers on ASGI spec 2.4 say so by raising
                 tg.cancel_scope.cancel()
 
-    async def _pump(self, send: Send) -> None:
+    async def _pump(self, send: Send) -> list[bytes]:
+        """Send the stream's events up to its end; return the last ones (with `[DONE]`), for the
+        caller to send with the end of the body in one write."""
         chunk = self._first
         while True:
+            # What arrived while the last write went out goes as one event: the last token and
+            # the ending share a write, and a loop that fell behind (many streams, few cores)
+            # catches up in fewer writes.
+            chunk = coalesce(chunk, self._stream.ready())
             if chunk.finish_reason in ("cancelled", "error"):
-                if chunk.text:
-                    await _send(send, self._render(msgspec.structs.replace(chunk, finish_reason=None)))
-                await _send(send, [self._failure(chunk)])
-                break
-            await _send(send, self._render(chunk))
+                text = self._render(msgspec.structs.replace(chunk, finish_reason=None)) if chunk.text else []
+                return [*text, self._failure(chunk), b"[DONE]"]
+            events = self._render(chunk)
             if chunk.finish_reason is not None:
-                break
+                return [*events, b"[DONE]"]
+            await _send(send, events)
             try:
                 chunk = await self._stream.__anext__()
             except SchedulerClosed:
-                await _send(send, [shutting_down().event()])
-                break
-        await _send(send, [b"[DONE]"])
+                return [shutting_down().event(), b"[DONE]"]
 
     def _failure(self, chunk: Chunk) -> bytes:
         if chunk.finish_reason == "cancelled":  # only the scheduler closing cancels a live stream
@@ -131,7 +134,21 @@ class EventStream(Response):
         return internal(self._request_id).event()
 
 
+def coalesce(chunk: Chunk, more: list[Chunk]) -> Chunk:
+    """`chunk` and the chunks after it as one: their text and tokens, the last one's ending."""
+    if not more:
+        return chunk
+    last = more[-1]
+    return msgspec.structs.replace(
+        last, text=chunk.text + "".join(c.text for c in more),
+        token_ids=[t for c in (chunk, *more) for t in c.token_ids],
+    )
+
+
+def _frames(events: list[bytes]) -> bytes:
+    return b"".join(b"data: " + e + b"\n\n" for e in events)
+
+
 async def _send(send: Send, events: list[bytes]) -> None:
     if events:
-        body = b"".join(b"data: " + e + b"\n\n" for e in events)
-        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": _frames(events), "more_body": True})
