@@ -62,9 +62,11 @@ def bare_loop(model: object, prompts: list[list[int]], concurrency: int, max_tok
 
 async def scheduler_run(config: SchedulerConfig, prompts: list[list[int]], concurrency: int,
                         max_tokens: int, ticker: bool = True,
-                        where: dict[str, float] | None = None) -> tuple[int, float, list[float]]:
+                        where: dict[str, float] | None = None,
+                        stream: bool = False) -> tuple[int, float, list[float]]:
     """Our side. `where`, if given, receives the time per step: steps, the worker's step (ms),
-    and the event loop's CPU time (ms), to attribute a gap to the bare loop."""
+    and the event loop's CPU time (ms), to attribute a gap to the bare loop. `stream`: clients
+    iterate `generate` (a chunk per step each) instead of awaiting `complete`."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     lags: list[float] = []
     async with Scheduler(config) as sched:
@@ -75,8 +77,12 @@ async def scheduler_run(config: SchedulerConfig, prompts: list[list[int]], concu
         async def client() -> None:
             nonlocal tokens
             while todo:
-                done = await sched.complete(todo.pop(), params)
-                tokens += done.completion_tokens
+                if stream:
+                    async for chunk in sched.generate(todo.pop(), params):
+                        tokens += len(chunk.token_ids)
+                else:
+                    done = await sched.complete(todo.pop(), params)
+                    tokens += done.completion_tokens
 
         async def tick() -> None:
             while True:
@@ -119,6 +125,8 @@ def main() -> None:
     ap.add_argument("--attribute", action="store_true",
                     help="also time steps: bare ms/step against ours (worker step, event-loop CPU "
                          "per step), and a run of ours without the 1 ms lag ticker")
+    ap.add_argument("--stream", action="store_true",
+                    help="our clients stream with generate() (a chunk per step) instead of complete()")
     ap.add_argument("--out", default="benchmarks/results/overhead.json")
     args = ap.parse_args()
     configure_logging(level="warning")
@@ -142,11 +150,12 @@ def main() -> None:
         warm = make_prompts(max(n, 8), args.prompt_tokens, info.vocab_size, args.seed + n + 10**6)
         for _ in range(args.warmup):
             bare_loop(model, warm, n, args.max_tokens, w.prefill_batch, w.prefill_step)
-            anyio.run(scheduler_run, config, warm, n, args.max_tokens)
+            anyio.run(scheduler_run, config, warm, n, args.max_tokens, True, None, args.stream)
         bare_runs, ours_runs, lags = [], [], []
         for _ in range(args.repeat):  # interleaved, best of each: drift and warm-up hit both sides
             bare_tokens, bare_s = bare_loop(model, prompts, n, args.max_tokens, w.prefill_batch, w.prefill_step)
-            ours_tokens, ours_s, run_lags = anyio.run(scheduler_run, config, prompts, n, args.max_tokens)
+            ours_tokens, ours_s, run_lags = anyio.run(scheduler_run, config, prompts, n, args.max_tokens,
+                                                      True, None, args.stream)
             assert bare_tokens == ours_tokens == len(prompts) * args.max_tokens
             bare_runs.append(bare_tokens / bare_s)
             ours_runs.append(ours_tokens / ours_s)
@@ -168,7 +177,7 @@ def main() -> None:
                                   bare_steps)
             where: dict[str, float] = {}
             quiet_tokens, quiet_s, _ = anyio.run(scheduler_run, config, prompts, n, args.max_tokens,
-                                                 False, where)
+                                                 False, where, args.stream)
             row["attribution"] = {
                 "bare_steps": bare_steps[0], "bare_step_ms": bare_s / bare_steps[0] * 1e3,
                 "sched_no_ticker_tok_s": quiet_tokens / quiet_s,
@@ -188,7 +197,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "model": args.model, "step_token_budget": args.budget, "repeat": args.repeat, "warmup": args.warmup, "waves": args.waves, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "model": args.model, "step_token_budget": args.budget, "stream": args.stream, "repeat": args.repeat, "warmup": args.warmup, "waves": args.waves, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
         "device": str(mx.default_device()), "mlx": mx.__version__, "python": sys.version.split()[0],
         "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
     }

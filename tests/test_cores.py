@@ -11,9 +11,10 @@ from kvpool.books import BlockBooks, blocks_for
 from kvpool.pool import pool_blocks
 from metrics import percentile, summarize
 from scheduler import SamplingParams, SchedulerConfig
-from scheduler.dispatcher import StopText
+from scheduler.detokenize import StopText
 from scheduler.errors import ConfigError, InvalidRequest
-from scheduler.policy import FCFS, QueueItem, make_policy
+from scheduler.policies import FCFS, make_policy
+from scheduler.policy import QueueItem
 
 
 def item(rid: int) -> QueueItem:

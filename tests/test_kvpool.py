@@ -116,11 +116,12 @@ async def test_prefix_hit_gives_the_cold_output(model_cache: Path) -> None:
     with anyio.fail_after(180):
         expected = await cold(model_cache, jobs)
         async with Scheduler(config(model_cache, block_tokens=16)) as s:
-            got = [(await s.complete(*job)).token_ids for job in jobs]  # one after another
+            done = [await s.complete(*job) for job in jobs]  # one after another
             st = s.stats()
             await assert_idle(s)
             samples = parse(s.metrics_text())
-    assert got == expected
+    assert [c.token_ids for c in done] == expected
+    assert [c.cached_tokens for c in done] == [0, 48, 48, 48]  # the final chunk says what hit
     assert value(samples, "prefix_cache_hits_total") == st.prefix_hit_tokens
     assert value(samples, "prefix_cache_queries_total") == sum(len(p) for p, _ in jobs)
     assert value(samples, "kv_cache_blocks_cached") == st.blocks_cached
@@ -162,6 +163,7 @@ async def test_session_continues_without_reprefill_and_drop_frees_it(model_cache
             expected = (await ref.complete(second, params)).token_ids
     assert cached_before > 0  # turn 1's KV was kept
     assert st.session_hits == 1
+    assert turn1.cached_tokens == 0 and len(first) <= turn2.cached_tokens < len(second)
     assert turn2.token_ids == expected
     # Turn 2's KV (prompt + output) replaced turn 1's; dropping it freed its blocks.
     assert after.blocks_cached == 0 < st.blocks_cached

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from tests import layered_models
-from workers.models import LayerCache, ModelLoadError, model_info
+from workers.models import LayerCache, ModelSourceError, model_info
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -67,7 +67,7 @@ def test_a_cache_batchgenerator_cannot_batch_fails_at_load_naming_it(model_cache
     path = layered_models.build("gemma3_text", model_cache)
     model, tokenizer = mlx_lm.load(str(path))
     model.make_cache = lambda: [QuantizedKVCache() for _ in model.layers]
-    with pytest.raises(ModelLoadError, match=r"QuantizedKVCache caches, which mlx-lm's BatchGenerator"):
+    with pytest.raises(ModelSourceError, match=r"QuantizedKVCache caches, which mlx-lm's BatchGenerator"):
         model_info(model, tokenizer, path)
 
 

@@ -21,7 +21,7 @@ from workers import synthetic
 from workers.models import (
     LayerCache,
     ModelInfo,
-    ModelLoadError,
+    ModelSourceError,
     load_model,
     model_info,
     resolve_model,
@@ -101,7 +101,7 @@ def test_a_failed_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monke
         raise OSError("disk full")
 
     monkeypatch.setattr(synthetic, "write_model", fail)
-    with pytest.raises(ModelLoadError, match="could not build 'synthetic:tiny'.*disk full"):
+    with pytest.raises(ModelSourceError, match="could not build 'synthetic:tiny'.*disk full"):
         resolve_model("synthetic:tiny", tmp_path)
     assert list((tmp_path / "models").iterdir()) == []
 
@@ -192,11 +192,11 @@ def test_streaming_detokenizer_decodes_random_ids(name: str, request: pytest.Fix
 
 
 def test_unknown_synthetic_size_lists_the_known_ones(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError) as err:
+    with pytest.raises(ModelSourceError) as err:
         resolve_model("synthetic:huge", tmp_path)
     for size in synthetic.SIZES:
         assert f"synthetic:{size}" in str(err.value)
-    with pytest.raises(ModelLoadError, match="bad seed"):
+    with pytest.raises(ModelSourceError, match="bad seed"):
         resolve_model("synthetic:tiny@x", tmp_path)
 
 
@@ -205,18 +205,18 @@ def test_a_seed_in_the_name_selects_the_build(tmp_path: Path) -> None:
 
 
 def test_local_directories_must_exist_and_hold_config_json(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="does not exist"):
+    with pytest.raises(ModelSourceError, match="does not exist"):
         load_model(str(tmp_path / "missing"))
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelSourceError, match="no config.json"):
         load_model(str(tmp_path))
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ModelLoadError, match="not a directory"):
+    with pytest.raises(ModelSourceError, match="not a directory"):
         resolve_model(str(tmp_path / "file"))
 
 
 def test_a_broken_local_model_is_a_model_load_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ModelLoadError, match="could not load the model in") as err:
+    with pytest.raises(ModelSourceError, match="could not load the model in") as err:
         load_model(str(tmp_path))
     assert err.value.__cause__ is not None
 
@@ -224,7 +224,7 @@ def test_a_broken_local_model_is_a_model_load_error(tmp_path: Path) -> None:
 def test_a_hub_id_fails_fast_when_offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     start = time.monotonic()
-    with pytest.raises(ModelLoadError) as err:
+    with pytest.raises(ModelSourceError) as err:
         load_model("mlx-scheduler-tests/no-such-model")
     assert time.monotonic() - start < 15
     message = str(err.value)

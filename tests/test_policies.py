@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from scheduler import SchedulerConfig
 from scheduler.errors import ConfigError
-from scheduler.policies import EDF, FCFS, SJF, Fair, Priority
-from scheduler.policy import POLICIES, Policy, QueueItem, make_policy
+from scheduler.policies import EDF, FCFS, POLICIES, SJF, Fair, Priority, make_policy
+from scheduler.policy import Policy, QueueItem
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

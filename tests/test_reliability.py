@@ -12,10 +12,11 @@ import anyio
 import pytest
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
+from scheduler.api import real_engine_factory
 from scheduler.errors import ModelLoadError, QueueFull, SchedulerClosed
 from tests.test_actors import wait_idle
 from tests.test_integration import prompts
-from workers.faults import FaultPlan, InjectedFault
+from workers.faults import FaultPlan, InjectedFault, with_faults
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -27,6 +28,11 @@ def cfg(cache: Path, extra: str = "") -> SchedulerConfig:
     return SchedulerConfig.from_toml(f'[model]\npath = "synthetic:tiny"\ncache_dir = "{cache}"\n{extra}')
 
 
+def faulty(config: SchedulerConfig, plan: FaultPlan) -> Scheduler:
+    """The real engine, with the plan's faults injected through `engine_factory=`."""
+    return Scheduler(config, engine_factory=with_faults(real_engine_factory(config), plan))
+
+
 def full_length(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
@@ -36,7 +42,7 @@ async def test_failed_step_ends_in_flight_with_error_then_a_fresh_engine_serves_
 ) -> None:
     plan = FaultPlan(fail_at_steps=(5,))
     with anyio.fail_after(60):
-        async with Scheduler(cfg(model_cache, "[worker]\nmax_batch = 2"), faults=plan) as s:
+        async with faulty(cfg(model_cache, "[worker]\nmax_batch = 2"), plan) as s:
             results = {}
 
             async def one(i: int, p: list[int]) -> None:
@@ -60,7 +66,7 @@ async def test_failed_step_with_close_policy_closes_cleanly(model_cache: Path) -
     plan = FaultPlan(fail_at_steps=(3,))
     config = cfg(model_cache, '[worker]\non_failure = "close"')
     with anyio.fail_after(60):
-        async with Scheduler(config, faults=plan) as s:
+        async with faulty(config, plan) as s:
             outcomes = []
 
             async def one(p: list[int]) -> None:
@@ -78,7 +84,7 @@ async def test_failed_step_with_close_policy_closes_cleanly(model_cache: Path) -
 async def test_a_stalled_step_does_not_stall_the_event_loop_or_deadlines(model_cache: Path) -> None:
     plan = FaultPlan(stall_at_steps=(4,), stall_s=1.0)
     with anyio.fail_after(60):
-        async with Scheduler(cfg(model_cache), faults=plan) as s:
+        async with faulty(cfg(model_cache), plan) as s:
             lags: list[float] = []
 
             async def ticker() -> None:
@@ -101,7 +107,7 @@ async def test_a_stalled_step_does_not_stall_the_event_loop_or_deadlines(model_c
 
 async def test_model_load_failure_surfaces_from_start_with_its_cause(model_cache: Path) -> None:
     with anyio.fail_after(30), pytest.raises(ModelLoadError, match="injected model-load failure") as info:
-        async with Scheduler(cfg(model_cache), faults=FaultPlan(fail_load=True)):
+        async with faulty(cfg(model_cache), FaultPlan(fail_load=True)):
             pass
     assert isinstance(info.value.__cause__, InjectedFault)
 

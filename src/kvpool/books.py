@@ -66,6 +66,8 @@ class BlockBooks:
         self._tables: dict[int, list[int]] = {}
         self._entries: OrderedDict[Key, _Entry] = OrderedDict()  # least recently used first
         self._cached = 0
+        self._evictable = 0
+        """Blocks in unpinned entries, kept up to date so a Reserve never scans the cache."""
         self._pins: dict[int, list[Key]] = {}
         self._pending: dict[Key, int] = {}
         self._pending_of: dict[int, list[Key]] = {}
@@ -85,8 +87,8 @@ class BlockBooks:
 
     @property
     def evictable(self) -> int:
-        """Blocks in cache entries no request pins."""
-        return sum(len(e.blocks) for e in self._entries.values() if not e.pins)
+        """Blocks in cache entries no request pins (O(1))."""
+        return self._evictable
 
     def held(self, rid: int) -> int:
         return len(self._tables.get(rid, ()))
@@ -164,6 +166,8 @@ class BlockBooks:
         for key in keys:
             entry = self._entries[key]
             if rid not in entry.pins:
+                if not entry.pins:
+                    self._evictable -= len(entry.blocks)
                 entry.pins.add(rid)
                 pinned.append(key)
         self.touch(pinned)
@@ -173,8 +177,10 @@ class BlockBooks:
     def unpin(self, rid: int) -> None:
         for key in self._pins.pop(rid, ()):
             entry = self._entries.get(key)
-            if entry is not None:
+            if entry is not None and rid in entry.pins:
                 entry.pins.discard(rid)
+                if not entry.pins:
+                    self._evictable += len(entry.blocks)
 
     def touch(self, keys: Iterable[Key]) -> None:
         """Mark entries as just used. Keys later in `keys` end up most recent; pass a prefix chain
@@ -193,6 +199,7 @@ class BlockBooks:
             return False
         self._entries[key] = _Entry([self._free.popleft() for _ in range(blocks)], tokens)
         self._cached += blocks
+        self._evictable += blocks
         self._pending.pop(key, None)  # computed: no longer pending
         return True
 
@@ -204,6 +211,7 @@ class BlockBooks:
         del self._entries[key]
         self._free.extend(entry.blocks)
         self._cached -= len(entry.blocks)
+        self._evictable -= len(entry.blocks)
         return True
 
     def make_room(self, blocks: int, keep: Iterable[Key] = ()) -> list[Key] | None:
@@ -263,6 +271,7 @@ class BlockBooks:
             everywhere.extend(entry.blocks)
         assert sorted(everywhere) == list(range(self.total)), "a block is lost or handed out twice"
         assert self._cached == sum(len(e.blocks) for e in self._entries.values())
+        assert self._evictable == sum(len(e.blocks) for e in self._entries.values() if not e.pins)
         assert self.used + self.cached + self.free == self.total
         for rid, keys in self._pins.items():
             for key in keys:

@@ -1,5 +1,8 @@
 """Messages the pool actor receives and emits.
 
+The admission actor sends at most one `PoolBatch` at a time (one per engine step, or one when
+idle) and the pool answers it with one `PoolReplies`, a reply per command in order.
+
 Reserve and Resize may carry `padding`: the blocks the dense batch cache spends on padding after
 they take effect; the pool sets the `PADDING` holder to it in the same step, so a grant covers
 both. Release's `padding` only ever shrinks it.
@@ -96,3 +99,18 @@ class Cached(msgspec.Struct, frozen=True, tag=True):
 
 PoolCommand = Reserve | Resize | Release | Unpin | Cache | Drop
 PoolReply = Granted | Denied | Released | Cached
+
+
+class PoolBatch(msgspec.Struct, frozen=True, tag=True):
+    """Commands applied in order. Reserves are head-of-line: once one is denied, every later
+    Reserve of the batch is denied too, so admission keeps the policy's order."""
+
+    commands: list[PoolCommand]
+
+
+class PoolReplies(msgspec.Struct, frozen=True, tag=True):
+    """`replies[i]` answers `commands[i]`; `free` and `evictable` are the books afterwards."""
+
+    replies: list[PoolReply]
+    free: int
+    evictable: int

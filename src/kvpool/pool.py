@@ -1,9 +1,9 @@
-"""The pool actor: a thin loop that feeds `BlockBooks` the messages in its inbox."""
+"""The pool actor: a thin loop that feeds `BlockBooks` the batches in its inbox."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -14,7 +14,9 @@ from kvpool.messages import (
     Denied,
     Drop,
     Granted,
+    PoolBatch,
     PoolCommand,
+    PoolReplies,
     PoolReply,
     Release,
     Released,
@@ -24,49 +26,54 @@ from kvpool.messages import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from anyio.abc import TaskStatus
-    from anyio.streams.memory import MemoryObjectSendStream
 
     from kvpool.books import BlockBooks, Key, PoolSnapshot
 
 
-class PoolEnvelope(NamedTuple):
-    msg: PoolCommand
-    reply: MemoryObjectSendStream[PoolReply]
-
-
 class Pool:
-    """KV block books. Owns: the books. Receives: Reserve, Resize, Release, Unpin, Cache, Drop.
-    Emits: Granted, Denied, Released, Cached (to the envelope's reply stream). `snapshot` is
-    republished after every message."""
+    """KV block books. Owns: the books. Receives: PoolBatch (Reserve, Resize, Release, Unpin,
+    Cache, Drop). Emits: one PoolReplies per batch (Granted, Denied, Released, Cached) to the
+    `reply` callback given to `run`. `snapshot` is republished after every batch."""
 
     def __init__(self, books: BlockBooks) -> None:
         self._books = books
-        # Callers wait for a reply to every message, so the inbox never holds more than one
-        # message per caller; a small buffer is enough.
-        self._send, self._inbox = anyio.create_memory_object_stream[PoolEnvelope](16)
+        # Its one client keeps at most one batch in flight (it waits for the replies before the
+        # next), so a buffer of one never blocks.
+        self._send, self._inbox = anyio.create_memory_object_stream[PoolBatch](1)
         self.snapshot: PoolSnapshot = books.snapshot()
 
-    async def call(self, msg: PoolCommand) -> PoolReply:
-        """Send `msg` and wait for the pool's answer."""
-        reply_send, reply_recv = anyio.create_memory_object_stream[PoolReply](1)
-        with reply_recv:
-            await self._send.send(PoolEnvelope(msg, reply_send))
-            return await reply_recv.receive()
+    def send(self, batch: PoolBatch) -> None:
+        """Queue a batch; its replies come back through `run`'s callback."""
+        self._send.send_nowait(batch)
 
-    def close(self) -> None:
-        self._send.close()
-
-    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, reply: Callable[[PoolReplies], None], *,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
         task_status.started()
+        books = self._books
         async with self._inbox:
-            async for env in self._inbox:
-                reply = handle(self._books, env.msg)
-                self.snapshot = self._books.snapshot()
-                with env.reply:
-                    env.reply.send_nowait(reply)
+            async for batch in self._inbox:
+                replies = apply_batch(books, batch.commands)
+                self.snapshot = books.snapshot()
+                reply(PoolReplies(replies, books.free, books.evictable))
+
+
+def apply_batch(books: BlockBooks, commands: Sequence[PoolCommand]) -> list[PoolReply]:
+    """Apply a batch in order; after one denied Reserve, the later Reserves are denied unseen."""
+    replies: list[PoolReply] = []
+    denied = False
+    for msg in commands:
+        if denied and isinstance(msg, Reserve):
+            replies.append(Denied(msg.rid, books.free))
+            continue
+        reply = handle(books, msg)
+        denied = denied or (isinstance(reply, Denied) and isinstance(msg, Reserve))
+        replies.append(reply)
+    return replies
 
 
 def handle(books: BlockBooks, msg: PoolCommand) -> PoolReply:

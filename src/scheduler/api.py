@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING
@@ -14,6 +15,7 @@ from kvpool.pool import Pool
 from metrics.logging import configure_logging
 from metrics.prometheus import SchedulerMetrics
 from scheduler.admission import Admission
+from scheduler.chunks import ChunkReceiver, chunk_channel
 from scheduler.config import SchedulerConfig
 from scheduler.errors import (
     ConfigError,
@@ -24,19 +26,18 @@ from scheduler.errors import (
 )
 from scheduler.kvplan import KVPlan, layer_bytes, pool_size
 from scheduler.messages import Cancel, Close, DropSession, Submit, SubmitEnvelope
-from scheduler.policy import make_policy
+from scheduler.policies import make_policy
 from scheduler.stream import RequestStream
 from scheduler.types import Chunk, Completion, SchedulerStats
 from scheduler.validation import check_arguments, check_length, check_session
 from workers.factory import Loaded, mlx_engine_factory
-from workers.faults import FaultPlan, with_faults
 from workers.worker import EngineFactory, GPUWorker, WorkerStartError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import TracebackType
 
-    from anyio.streams.memory import MemoryObjectReceiveStream
-
+    from kvpool.messages import PoolReplies
     from scheduler.params import SamplingParams
     from workers.messages import WorkerEvent
 
@@ -44,6 +45,20 @@ log = structlog.get_logger("scheduler")
 
 # Tokenizing a long prompt takes milliseconds; past this many characters it leaves the loop.
 _THREAD_TOKENIZE_CHARS = 2048
+
+
+def real_engine_factory(c: SchedulerConfig) -> EngineFactory[Loaded]:
+    """The mlx-lm engine that `c` describes (what a Scheduler runs unless told otherwise)."""
+    return mlx_engine_factory(
+        c.model.path,
+        cache_dir=c.model.cache_dir,
+        max_batch=c.worker.max_batch,
+        prefill_batch=c.worker.prefill_batch,
+        prefill_step=c.worker.prefill_step,
+        step_token_budget=c.worker.step_token_budget,
+        block_tokens=c.kvpool.block_tokens,
+        cuda_graphs=c.worker.cuda_graphs,
+    )
 
 
 class Scheduler:
@@ -56,27 +71,15 @@ class Scheduler:
         config: SchedulerConfig | None = None,
         *,
         engine_factory: EngineFactory[Loaded] | None = None,
-        faults: FaultPlan | None = None,
     ) -> None:
-        """`engine_factory` replaces the real engine (tests of actor logic); `faults` injects
-        worker failures, stalls or a failed load (reliability tests)."""
+        """`engine_factory` replaces the real engine (tests: a fake one, or the real one wrapped
+        by `workers.faults.with_faults`)."""
         self.config = config if config is not None else SchedulerConfig()
         c = self.config
         if not structlog.is_configured():
             # Unconfigured structlog prints every level to stdout; apply [logging] instead.
             configure_logging(c.logging.format, c.logging.level)
-        self._factory = engine_factory or mlx_engine_factory(
-            c.model.path,
-            cache_dir=c.model.cache_dir,
-            max_batch=c.worker.max_batch,
-            prefill_batch=c.worker.prefill_batch,
-            prefill_step=c.worker.prefill_step,
-            step_token_budget=c.worker.step_token_budget,
-            block_tokens=c.kvpool.block_tokens,
-            cuda_graphs=c.worker.cuda_graphs,
-        )
-        if faults is not None:
-            self._factory = with_faults(self._factory, faults)
+        self._factory = engine_factory or real_engine_factory(c)
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._actors = _Scopes()
@@ -119,7 +122,6 @@ class Scheduler:
             blocks = pool_size(c.kvpool, info, loaded.device_memory)
             self._pool = Pool(BlockBooks(blocks, c.kvpool.block_tokens,
                                          c.kvpool.block_tokens * info.kv_bytes_per_token))
-            await tg.start(self._run_pool, self._pool)
             plan = KVPlan(
                 mode=c.kvpool.mode, block_tokens=c.kvpool.block_tokens, blocks_total=blocks,
                 watermark=c.kvpool.watermark, dense_step=loaded.dense_step,
@@ -137,6 +139,7 @@ class Scheduler:
                 max_queue=c.scheduler.max_queue,
                 observer=self.metrics,
             )
+            await tg.start(self._run_pool, self._pool, self._admission.post)
             await tg.start(self._run_admission)
         except BaseException as exc:
             tg.cancel_scope.cancel()
@@ -198,10 +201,11 @@ class Scheduler:
             self._worker_done.set()
 
     async def _run_pool(
-        self, pool: Pool, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+        self, pool: Pool, reply: Callable[[PoolReplies], None], *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         with self._actors.new():
-            await pool.run(task_status=task_status)
+            await pool.run(reply, task_status=task_status)
 
     async def _run_admission(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -214,7 +218,7 @@ class Scheduler:
 
     def _on_worker_event(self, event: WorkerEvent) -> None:
         if self._admission is not None:
-            self._admission.on_worker_event(event)
+            self._admission.post(event)
 
     # ---- requests -----------------------------------------------------------------------------
     @property
@@ -262,8 +266,13 @@ class Scheduler:
         text: list[str] = []
         ids: list[int] = []
         last: Chunk | None = None
-        async with self.generate(
-            prompt, params, priority=priority, tenant=tenant, timeout=timeout, session=session
+        self._check_running()
+        params = check_arguments(prompt, params, priority, tenant, timeout, self.model.info.vocab_size)
+        check_session(session)
+        # Not streamed: one chunk at the end, so this task is not woken once per step.
+        submit = functools.partial(self._submit, stream=False)
+        async with RequestStream(
+            submit, self._cancel, prompt, params, priority, tenant, timeout, session
         ) as stream:
             async for chunk in stream:
                 text.append(chunk.text)
@@ -337,8 +346,8 @@ class Scheduler:
 
     async def _submit(
         self, prompt: str | list[int], params: SamplingParams, priority: int, tenant: str,
-        timeout: float | None, session: str | None,
-    ) -> tuple[int, MemoryObjectReceiveStream[Chunk]]:
+        timeout: float | None, session: str | None, stream: bool = True,
+    ) -> tuple[int, ChunkReceiver]:
         submitted_at = time.perf_counter()
         self._check_running()
         if isinstance(prompt, str):
@@ -354,9 +363,9 @@ class Scheduler:
         check_length(len(tokens), params.max_tokens, self.model.info.context_length)
         self._check_running()
         assert self._admission is not None
-        out_send, out_recv = anyio.create_memory_object_stream[Chunk](params.max_tokens + 2)
+        out_send, out_recv = chunk_channel()  # the actor sends at most max_tokens + 2 chunks
         reply_send, reply_recv = anyio.create_memory_object_stream[int | SchedulerError](1)
-        msg = Submit(tokens, params, priority, tenant, timeout, submitted_at, session)
+        msg = Submit(tokens, params, priority, tenant, timeout, submitted_at, session, stream)
         self._admission.send.send_nowait(SubmitEnvelope(msg, reply_send, out_send))
         with reply_recv, anyio.CancelScope(shield=True):
             # Shielded: once submitted, we must learn the id to be able to cancel it.

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from scheduler.errors import ConfigError
-from scheduler.policy import POLICIES, is_dotted_path, known_policies
+from scheduler.policies import check_name
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -184,12 +184,10 @@ class SchedulerConfig(_Section):
     cluster: ClusterSection = msgspec.field(default_factory=ClusterSection)
 
     def __post_init__(self) -> None:
-        policy = self.scheduler.policy
-        if policy not in POLICIES and not is_dotted_path(policy):
-            raise ConfigError(
-                f"scheduler.policy: unknown policy {policy!r}; known policies: {known_policies()}, "
-                "or a dotted path 'package.module:Class'"
-            )
+        try:
+            check_name(self.scheduler.policy)
+        except ValueError as exc:
+            raise ConfigError(f"scheduler.policy: {exc}") from None
         memory_spec(self.kvpool.memory)  # raises ConfigError naming kvpool.memory
 
     @classmethod

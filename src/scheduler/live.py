@@ -1,36 +1,60 @@
-"""The admission actor's record of one request and its counters (state it alone owns)."""
+"""The admission core's record of one request and its counters (state it alone owns)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from anyio.streams.memory import MemoryObjectSendStream
-
-    from scheduler.dispatcher import TextStream
+    from scheduler.chunks import ChunkSender
+    from scheduler.detokenize import TextStream
     from scheduler.messages import Submit
     from scheduler.policy import QueueItem
-    from scheduler.types import Chunk
+    from scheduler.types import FinishReason
 
 
-@dataclass(eq=False)
+class State(enum.Enum):
+    """Where a request is. WAITING -> ADMITTING -> PREFILLING -> RUNNING, then STOPPING (its end
+    is decided, the worker still holds its row) or PREEMPTING (back to WAITING), and FINISHED."""
+
+    WAITING = "waiting"
+    """In the policy's queue."""
+    ADMITTING = "admitting"
+    """Taken from the queue; its Reserve is in the pool batch in flight."""
+    PREFILLING = "prefilling"
+    """Granted and sent to the worker; no token yet."""
+    RUNNING = "running"
+    PREEMPTING = "preempting"
+    """Asked to leave the batch to free memory; requeued once the worker confirms."""
+    STOPPING = "stopping"
+    """Ended (cancel, timeout, stop string); the worker has yet to confirm it dropped the row."""
+    FINISHED = "finished"
+
+
+HOLDS_ROW = frozenset({State.PREFILLING, State.RUNNING, State.PREEMPTING, State.STOPPING})
+"""States in which the worker holds (or is about to hold) the request's row and its blocks."""
+
+
+@dataclass(eq=False, slots=True)
 class Live:
-    """One request from submission to its final chunk (and, if running, the worker's release)."""
+    """One request from submission to its final chunk (and, if it held a row, the release)."""
 
     item: QueueItem
     submit: Submit
-    out: MemoryObjectSendStream[Chunk]
+    out: ChunkSender
     text: TextStream
+    state: State = State.WAITING
+    sent_final: bool = False
+    """The final chunk went out (a STOPPING request may still hold its row)."""
+    ending: tuple[FinishReason, str, list[int], str | None] | None = None
+    """A final chunk that waits: for the worker to keep a session (stop string), or for the
+    pool to confirm the release, so a caller who sees the end also sees the blocks back."""
     admitted_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float = 0.0
     completion_tokens: int = 0
-    running: bool = False
-    ended: bool = False
-    """The final chunk has been sent; a running request still waits for the worker to drop it."""
     blocks: int = 0
-    pending: list[int] = field(default_factory=list)
     prompt: list[int] = field(default_factory=list)
     """What its row is (re)admitted with: the prompt, plus what it generated before a preemption."""
     keys: list[int] | None = None
@@ -38,16 +62,19 @@ class Live:
     tokens: list[int] = field(default_factory=list)
     """Every token generated so far."""
     length: int = 0
-    """Tokens in its row now (while running)."""
+    """Tokens in its row now (while it holds one)."""
     final: int = 0
     """Tokens in its row when it reaches max_tokens."""
     pinned: bool = False
-    stopping: tuple[str, list[int]] | None = None
-    """A stop string ended it; its final text and tokens wait for the worker to keep its session."""
-    preempting: bool = False
     preemptions: int = 0
     cached_tokens: int = 0
     """Prompt tokens its first admission found cached (prefix blocks or a session)."""
+    parts: list[str] | None = None
+    """Text so far of a request that is not streamed (it gets one chunk); None when streamed."""
+
+    @property
+    def rid(self) -> int:
+        return self.item.rid
 
 
 @dataclass

@@ -9,9 +9,9 @@ import msgspec
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream
 
+    from scheduler.chunks import ChunkSender
     from scheduler.errors import SchedulerError
     from scheduler.params import SamplingParams
-    from scheduler.types import Chunk
 
 
 class Submit(msgspec.Struct, frozen=True, tag=True):
@@ -24,6 +24,9 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     timeout: float | None
     submitted_at: float
     session: str | None = None
+    stream: bool = True
+    """False: only the final chunk is delivered, carrying the whole text and every token (all
+    that `complete` needs: no wake-up of its caller per step)."""
 
 
 class Cancel(msgspec.Struct, frozen=True, tag=True):
@@ -43,7 +46,7 @@ class SubmitEnvelope(NamedTuple):
     msg: Submit
     reply: MemoryObjectSendStream[int | SchedulerError]
     """The request id, or the error to raise in the caller."""
-    out: MemoryObjectSendStream[Chunk]
+    out: ChunkSender
     """The request's chunks; sized so that sending never blocks."""
 
 

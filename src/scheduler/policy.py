@@ -1,27 +1,17 @@
-"""Scheduling policies: a small pure protocol and a registry of named implementations.
+"""What a scheduling policy is: the `Policy` protocol and the `QueueItem` it orders (a leaf module).
 
-A policy orders the waiting queue. It does no I/O and reads no clock: the admission actor passes
-`now`. The implementations live in `scheduler.policies`; `make_policy` builds one from config.
+A policy orders the waiting queue. It does no I/O and reads no clock: the admission core passes
+`now`. The implementations and the registry of names live in `scheduler.policies`.
 """
 
 from __future__ import annotations
 
-import importlib
-import re
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
-from scheduler.policies import EDF, FCFS, SJF, Fair, Priority
-
 if TYPE_CHECKING:
-    from scheduler.config import SchedulingSection
-
-__all__ = [
-    "EDF", "FCFS", "POLICIES", "SJF", "Fair", "Policy", "PolicyFactory", "Priority", "QueueItem",
-    "is_dotted_path", "known_policies", "make_policy",
-]
+    from collections.abc import Sequence
 
 
 class QueueItem(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,71 +61,3 @@ class Policy(Protocol):
     def on_finished(self, item: QueueItem, now: float) -> None: ...
 
     def victim(self, running: Sequence[QueueItem], now: float) -> QueueItem | None: ...
-
-
-PolicyFactory = Callable[["SchedulingSection"], Policy]
-"""Builds a policy from the `[scheduler]` section (its per-policy option tables)."""
-
-
-def _fair(section: SchedulingSection) -> Policy:
-    o = section.fair
-    return Fair(
-        input_weight=o.input_weight, output_weight=o.output_weight, default_weight=o.default_weight,
-        weights={tenant: t.weight for tenant, t in o.tenants.items()},
-    )
-
-
-POLICIES: dict[str, PolicyFactory] = {
-    "fcfs": lambda section: FCFS(),
-    "priority": lambda section: Priority(),
-    "sjf": lambda section: SJF(max_wait_s=section.sjf.max_wait_s),
-    "fair": _fair,
-    "edf": lambda section: EDF(default_deadline_s=section.edf.default_deadline_s),
-}
-_PROTOCOL_METHODS = (
-    "push", "peek", "pop", "remove", "__len__", "on_admitted", "on_tokens", "on_finished", "victim",
-)
-_DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-
-
-def is_dotted_path(name: str) -> bool:
-    return bool(_DOTTED.match(name))
-
-
-def known_policies() -> str:
-    """The registry's names in registry order, for error messages."""
-    return ", ".join(POLICIES)
-
-
-def make_policy(config: str | SchedulingSection) -> Policy:
-    """A policy from the `[scheduler]` section (or a bare name, with default options): a registry
-    name or `package.module:Class`, built with `[scheduler.custom]` as keyword arguments."""
-    if isinstance(config, str):
-        from scheduler.config import SchedulingSection  # config imports this module
-
-        config = SchedulingSection(policy=config)
-    name = config.policy
-    if name in POLICIES:
-        return POLICIES[name](config)
-    if not is_dotted_path(name):
-        raise ValueError(
-            f"unknown policy {name!r}; known policies: {known_policies()}, or 'package.module:Class'"
-        )
-    module_name, _, class_name = name.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load policy {name!r}: {exc}") from exc
-    if not callable(cls):
-        raise ValueError(f"policy {name!r} is not a class, got {type(cls).__name__}")
-    try:
-        policy = cls(**config.custom)
-    except TypeError as exc:
-        options = ", ".join(config.custom) or "none"
-        raise ValueError(
-            f"policy {name!r} cannot be built with the options of [scheduler.custom] ({options}): {exc}"
-        ) from exc
-    if not isinstance(policy, Policy):
-        missing = [m for m in _PROTOCOL_METHODS if not callable(getattr(policy, m, None))]
-        raise ValueError(f"policy {name!r} does not implement the Policy protocol; missing: {missing}")
-    return policy

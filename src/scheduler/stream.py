@@ -7,18 +7,19 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream
 
+from scheduler.chunks import ChunkReceiver
 from scheduler.errors import SchedulerClosed
 from scheduler.params import SamplingParams
-from scheduler.types import Chunk
 
 if TYPE_CHECKING:
     from types import TracebackType
 
+    from scheduler.types import Chunk
+
 SubmitFn = Callable[
     [str | list[int], SamplingParams, int, str, float | None, str | None],
-    Awaitable[tuple[int, MemoryObjectReceiveStream[Chunk]]],
+    Awaitable[tuple[int, ChunkReceiver]],
 ]
 
 
@@ -40,7 +41,7 @@ class RequestStream:
         self._cancel = cancel
         self._args = (prompt, params, priority, tenant, timeout, session)
         self._rid: int | None = None
-        self._recv: MemoryObjectReceiveStream[Chunk] | None = None
+        self._recv: ChunkReceiver | None = None
         self._done = False
 
     @property

@@ -16,7 +16,8 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True):
 
 
 Key = int | str
-"""A stored KV entry: a prefix block's chained hash (int) or a session name (str)."""
+"""A stored KV entry: a prefix block's chained hash (int) or a session name (str); the same
+meaning as `kvpool.books.Key` (the two packages do not import each other)."""
 
 
 class Admit(msgspec.Struct, frozen=True, tag=True):
@@ -86,10 +87,6 @@ class StepOutput(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=Tru
     """Session turns that could not continue their kept KV and prefilled cold."""
 
 
-class WorkerReady(msgspec.Struct, frozen=True, tag=True):
-    """The engine is built on the worker thread and accepts commands."""
-
-
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True):
     """The engine raised; the requests it held (`rids`) are lost and end with `error`. If
     `restarted`, a fresh engine (`held` sequences) takes commands again; else the thread is gone."""
@@ -100,4 +97,4 @@ class WorkerFailed(msgspec.Struct, frozen=True, tag=True):
     held: int = 0
 
 
-WorkerEvent = StepOutput | WorkerReady | WorkerFailed
+WorkerEvent = StepOutput | WorkerFailed

@@ -35,8 +35,9 @@ _HUB_PATTERNS = [
 _HINT = "use a local model directory or a synthetic model such as synthetic:tiny"
 
 
-class ModelLoadError(RuntimeError):
-    """A model could not be resolved or loaded; the message says which and why."""
+class ModelSourceError(RuntimeError):
+    """A model could not be resolved or loaded; the message says which and why. The public API
+    raises it as the cause of `scheduler.errors.ModelLoadError`."""
 
 
 class LayerCache(msgspec.Struct, frozen=True):
@@ -91,7 +92,7 @@ def parse_synthetic(name: str) -> tuple[str, int] | None:
     try:
         return size, int(seed)
     except ValueError:
-        raise ModelLoadError(f"bad seed {seed!r} in {name!r}: expected synthetic:<size>@<int>") from None
+        raise ModelSourceError(f"bad seed {seed!r} in {name!r}: expected synthetic:<size>@<int>") from None
 
 
 def resolve_model(path: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -106,20 +107,22 @@ def resolve_model(path: str, cache_dir: str | os.PathLike[str] | None = None) ->
         size, seed = parsed
         if size not in synthetic.SIZES:
             known = ", ".join(SYNTHETIC_PREFIX + s for s in synthetic.SIZES)
-            raise ModelLoadError(f"unknown synthetic model {path!r}; known sizes: {known}")
+            raise ModelSourceError(f"unknown synthetic model {path!r}; known sizes: {known}")
         try:
             return synthetic.build(size, seed, cache_dir)
         except OSError as e:
-            raise ModelLoadError(f"could not build {path!r}: {e}") from e
+            raise ModelSourceError(f"could not build {path!r}: {e}") from e
     local = Path(path).expanduser()
     if local.exists():
         if not local.is_dir():
-            raise ModelLoadError(f"model path {path!r} is not a directory")
+            raise ModelSourceError(f"model path {path!r} is not a directory")
         if not (local / "config.json").is_file():
-            raise ModelLoadError(f"model directory {path!r} has no config.json, so it is not an mlx-lm model")
+            raise ModelSourceError(
+                f"model directory {path!r} has no config.json, so it is not an mlx-lm model"
+            )
         return local
     if path.startswith(("/", ".", "~")) or not _HUB_ID.match(path):
-        raise ModelLoadError(f"model directory {path!r} does not exist; {_HINT}")
+        raise ModelSourceError(f"model directory {path!r} does not exist; {_HINT}")
     return _download(path)
 
 
@@ -129,7 +132,7 @@ def _download(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, etag_timeout=HUB_TIMEOUT_S))
     except Exception as e:
-        raise ModelLoadError(
+        raise ModelSourceError(
             f"could not load {repo_id!r} from the Hugging Face hub (no network?) and it is not "
             f"a local directory: {type(e).__name__}: {e}; {_HINT}"
         ) from e
@@ -146,7 +149,7 @@ def load_model(path: str, cache_dir: str | os.PathLike[str] | None = None) -> tu
     try:
         loaded = mlx_lm.load(str(directory))
     except Exception as e:
-        raise ModelLoadError(
+        raise ModelSourceError(
             f"could not load the model in {str(directory)!r}: {type(e).__name__}: {e}"
         ) from e
     return loaded[0], loaded[1]
@@ -162,26 +165,26 @@ def model_info(
 
     Shapes come from the model's own caches after a one-token forward pass, so every layout
     mlx-lm builds (nested `text_config`, sliding, recurrent) is read the same way. A cache class
-    `BatchGenerator` cannot batch is a `ModelLoadError` naming it. Call on the model's thread.
+    `BatchGenerator` cannot batch is a `ModelSourceError` naming it. Call on the model's thread.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     args = getattr(model, "args", None)
     if args is None:
-        raise ModelLoadError(f"{type(model).__name__} has no args, so its shape is unknown")
+        raise ModelSourceError(f"{type(model).__name__} has no args, so its shape is unknown")
     text = _text_args(args)
     model_type = str(getattr(args, "model_type", type(model).__module__.rsplit(".", 1)[-1]))
     params: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     weights_bytes = sum(int(v.nbytes) for _, v in params)
     floats = [v.dtype for _, v in params if mx.issubdtype(v.dtype, mx.floating)]
     if not floats:
-        raise ModelLoadError(f"a {model_type!r} model without floating-point parameters")
+        raise ModelSourceError(f"a {model_type!r} model without floating-point parameters")
     layers, kv_dtype = _probe_caches(model, model_type)
     dtype = kv_dtype or floats[0]
     vocab = _arg(args, "vocab_size") or _arg(text, "vocab_size")
     if vocab is None:
-        raise ModelLoadError(f"cannot tell the vocabulary size of a {model_type!r} model")
+        raise ModelSourceError(f"cannot tell the vocabulary size of a {model_type!r} model")
     attention = [c for c in layers if c.kind == "full"] or [c for c in layers if c.kind == "sliding"]
     return ModelInfo(
         name=str(path) if name is None else name,
@@ -224,7 +227,7 @@ def _probe_caches(model: Any, model_type: str) -> tuple[tuple[LayerCache, ...], 
     flat = _flatten(caches)
     for c in flat:
         if not hasattr(type(c), "merge"):
-            raise ModelLoadError(
+            raise ModelSourceError(
                 f"a {model_type!r} model keeps {type(c).__name__} caches, which mlx-lm's "
                 "BatchGenerator cannot batch (the class has no merge()), so this scheduler "
                 "cannot serve it; mlx_lm.generate can run it one request at a time"
@@ -232,7 +235,7 @@ def _probe_caches(model: Any, model_type: str) -> tuple[tuple[LayerCache, ...], 
     try:
         mx.eval(model(mx.array([[0]]), cache=caches))
     except Exception as e:
-        raise ModelLoadError(
+        raise ModelSourceError(
             f"a one-token forward pass of the {model_type!r} model failed: {type(e).__name__}: {e}"
         ) from e
     layers: list[LayerCache] = []
@@ -251,7 +254,7 @@ def _probe_caches(model: Any, model_type: str) -> tuple[tuple[LayerCache, ...], 
         elif isinstance(getattr(c, "nbytes", None), int):
             layers.append(LayerCache("recurrent", cls, state_bytes=int(c.nbytes)))
         else:
-            raise ModelLoadError(f"a {model_type!r} model keeps {cls} caches, whose size is unknown")
+            raise ModelSourceError(f"a {model_type!r} model keeps {cls} caches, whose size is unknown")
     return tuple(layers), kv_dtype
 
 

@@ -147,7 +147,7 @@ def _main(args: argparse.Namespace, config: SchedulerConfig) -> list[Report]:
 
 
 def _dataset(args: argparse.Namespace, config: SchedulerConfig) -> list[datasets.RequestSpec]:
-    from workers.models import ModelLoadError, resolve_model
+    from workers.models import ModelSourceError, resolve_model
 
     source = args.tokenizer or args.model or (None if args.url else config.model.path)
     if source is None:
@@ -156,7 +156,7 @@ def _dataset(args: argparse.Namespace, config: SchedulerConfig) -> list[datasets
     try:
         model_dir = resolve_model(source, config.model.cache_dir)
         maker = datasets.PromptMaker(datasets.load_codec(model_dir))
-    except (ModelLoadError, OSError) as exc:
+    except (ModelSourceError, OSError) as exc:
         raise BenchError(f"cannot load a tokenizer from {source!r}: {exc}") from None
     return datasets.build(
         args.dataset, maker, num_prompts=args.num_prompts, input_len=args.input_len,
