@@ -14,7 +14,7 @@
 #   settings    benchmarks/cuda_settings.py: CUDA graphs on/off, ops per graph; bare decode step
 #               (masked, mask-free) and bare loop / scheduler tok/s at 1 8 64 256 streams
 #   single      benchmarks/peers.py at 1 stream (bare, scheduler, sequential stream_generate),
-#               with CUDA graphs on and off
+#               with CUDA graphs on and off (GRAPHS="1 0"; GRAPHS=0: what cuda_graphs = "auto" picks for these)
 #   settings-8b the settings stage's decode steps for a random llama-3.1-8B bf16 shape (built
 #               first, ~105 s), graphs on and off
 # Time limits: LIMIT_S (any stage), SETTINGS_S, SINGLE_S, SETTINGS8B_S. The 2026-11-23 run used
@@ -85,7 +85,7 @@ for s in "${stages[@]}"; do
           --settings ${SETTINGS:-default graphs_off ops250} --deadline "${SETTINGS_S:-$limit}" \
           --steps 30 --warmup-steps 5 --max-tokens ${MAX_TOKENS:-32} --out "$out/cuda_settings.json" ;;
       single)
-        for g in 1 0; do
+        for g in ${GRAPHS:-1 0}; do
           MLX_USE_CUDA_GRAPHS=$g timeout "${SINGLE_S:-$limit}" python3 -P benchmarks/peers.py --model "synthetic:$m" \
             --concurrency 1 --warmup 1 --repeat ${REPEAT:-1} --backends bare scheduler sequential \
             --out "$out/single-$m-graphs$g.json" | grep -E "^ +1 |^c=1"
