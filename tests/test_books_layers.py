@@ -3,18 +3,16 @@ MLX's own count of active memory on real models (gemma3_text- and qwen3_next-sty
 
 from __future__ import annotations
 
-import random
 from typing import TYPE_CHECKING
 
-import anyio
 import mlx_lm
 import pytest
 
 from kvpool.dense import LayerBytes, dense_bytes, padding_blocks
-from scheduler import SamplingParams, Scheduler, SchedulerConfig
+from scheduler import SchedulerConfig
 from scheduler.kvplan import layer_bytes
 from tests import layered_models
-from tests.test_kvpool import run_all, tokens
+from tests.test_kvpool import memory_ratios
 from workers.models import model_info
 
 if TYPE_CHECKING:
@@ -62,30 +60,10 @@ async def test_books_track_mlx_memory_per_layer_kind(model_cache: Path, kind: st
     """MLX's active memory (less the weights) against what the books hold, while busy: the same
     measure and tolerance as tests/test_kvpool.py's on llama."""
     path = layered_models.build(kind, model_cache)
-    rng = random.Random(8)
-    jobs = [(tokens(rng.randint(50, 400), rng), SamplingParams(max_tokens=60, temperature=0.0))
-            for _ in range(24)]
-    ratios: list[float] = []
-    cfg = SchedulerConfig.from_toml(
+    ratios = await memory_ratios(SchedulerConfig.from_toml(
         f'[model]\npath = "{path}"\n[worker]\nmax_batch = 16\n'
         '[kvpool]\nmode = "on-demand"\nmemory = 14_000_000\nblock_tokens = 32\nprefix_cache = false'
-    )
-    with anyio.fail_after(240):
-        async with Scheduler(cfg) as s:
-
-            async def watch() -> None:
-                while True:
-                    st = s.stats()
-                    if st.active_bytes and st.kv_bytes and st.running >= 4:
-                        ratios.append((st.active_bytes - st.weights_bytes) / st.kv_bytes)
-                    await anyio.sleep(0.005)
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(watch)
-                await run_all(s, jobs)
-                tg.cancel_scope.cancel()
-    ratios.sort()
-    assert len(ratios) > 10
+    ))
     assert ratios[len(ratios) // 2] <= 1.1, ratios
     assert ratios[int(0.9 * (len(ratios) - 1))] <= 1.2, ratios
     # Measured: p90 0.87 (gemma3_text), 0.80 (qwen3_next). Booking every layer as full attention
