@@ -4,16 +4,9 @@ uvicorn driven by the official `openai` client, hypercorn on trio, and `mlx-sche
 from __future__ import annotations
 
 import json
-import os
-import queue
-import re
 import signal
 import socket
-import subprocess
-import sys
-import threading
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -25,15 +18,16 @@ import structlog
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from scheduler.http.app import create_app
 from scheduler.types import Chunk
+from tests.serve_process import serve
 from tests.test_actors import wait_idle
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+    from pathlib import Path
 
     from starlette.applications import Starlette
 
 pytestmark = pytest.mark.anyio
-ROOT = Path(__file__).resolve().parents[1]
 HELLO = {"role": "user", "content": "Say hello"}
 
 
@@ -441,43 +435,16 @@ async def test_hypercorn_on_trio_serves_the_app(model_cache: Path) -> None:
 
 
 def test_cli_serve_streams_to_the_openai_client_and_stops_on_sigint(model_cache: Path, tmp_path: Path) -> None:
-    toml = tmp_path / "scheduler.toml"
-    toml.write_text(f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"\n')
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "scheduler.cli", "serve", "--config", str(toml), "--port", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def read() -> None:
-        for line in proc.stderr or ():
-            lines.put(line)
-        lines.put(None)  # the process closed stderr: it has exited
-
-    threading.Thread(target=read, daemon=True).start()
-    seen: list[str] = []
-    try:
-        while True:
-            line = lines.get(timeout=30)
-            assert line is not None, "".join(seen)
-            seen.append(line)
-            if m := re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line):
-                break
-        client = openai.OpenAI(base_url=f"{m.group(1)}/v1", api_key="unused", max_retries=0, timeout=30)
+    with serve(model_cache, tmp_path) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=30)
         with client:
             stream = client.chat.completions.create(
                 model="synthetic:tiny", messages=[HELLO], max_tokens=8, stream=True,
                 extra_body={"ignore_eos": True})
             deltas = [c.choices[0] for c in stream]
         assert deltas[0].delta.role == "assistant" and deltas[-1].finish_reason == "length"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 130  # uvicorn re-raises SIGINT once it has shut down
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    while (line := lines.get(timeout=5)) is not None:
-        seen.append(line)
-    assert not any("Traceback" in x for x in seen), "".join(seen)
-    assert any("scheduler_closed" in x for x in seen), "".join(seen)  # the lifespan closed it
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(timeout=30) == 130  # uvicorn re-raises SIGINT once it has shut down
+        log = srv.log(wait=5)  # to the end of its stderr: the process has exited
+    assert "Traceback" not in log, log
+    assert "scheduler_closed" in log, log  # the lifespan closed it
