@@ -16,7 +16,7 @@ from scheduler.http.app import create_app
 from scheduler.http.sse import coalesce
 from scheduler.types import Chunk
 from tests.test_actors import wait_idle
-from tests.test_server import config, events, served
+from tests.test_server import completions_scope, config, events, served
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -79,10 +79,7 @@ def test_coalesce_joins_text_and_tokens_and_keeps_the_last_ending() -> None:
 async def test_a_stream_sends_what_a_slow_reader_missed_in_one_write(model_cache: Path) -> None:
     body = {"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 5000), "server": ("test", 80)}
+    scope = completions_scope()
     with anyio.fail_after(30):
         async with Scheduler(config(model_cache)) as s:
             direct = await s.complete([5, 6, 7], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))

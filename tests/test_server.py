@@ -307,12 +307,18 @@ async def test_internal_failures_are_500_with_a_request_id(model_cache: Path, mo
     assert failed_stream.headers["x-request-id"] in ev[1]["error"]["message"] and ev[2] == "[DONE]"
 
 
+def completions_scope() -> dict[str, Any]:
+    """A fresh ASGI scope for POST /v1/completions, for tests that drive the app by hand (the app
+    adds its own keys to the scope it is given)."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+            "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 5000), "server": ("test", 80)}
+
+
 async def test_client_disconnect_mid_stream_aborts_within_one_step(model_cache: Path) -> None:
     body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 1500, "ignore_eos": True, "stream": True}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 5000), "server": ("test", 80)}
+    scope = completions_scope()
     with anyio.fail_after(30):
         async with Scheduler(config(model_cache)) as s:
             app = create_app(scheduler=s)
