@@ -84,6 +84,8 @@ class FakeEngine:
     max_batch: int = 64
     prefill_log: list[tuple[int, int]] = field(default_factory=list)
     evicted: list[Key] = field(default_factory=list)
+    step_log: list[tuple[int, bool]] = field(default_factory=list)
+    """(step, whether some request emitted its first token in it), in order."""
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -114,8 +116,10 @@ class FakeEngine:
         decoding = [q for q in self.seqs.values() if q.prefilled >= len(q.admit.prompt)]
         prefill_tokens = self._prefill(len(decoding)) if self.budget is not None else 0
         rids, tokens, finished, reasons = [], [], [], []
+        first = False
         for seq in decoding:
             rid, k = seq.admit.rid, seq.emitted
+            first = first or k == 0
             seq.emitted += 1
             if self.eos_after is not None and k == self.eos_after and EOS in seq.admit.stop_token_ids:
                 finished.append(rid)
@@ -128,7 +132,8 @@ class FakeEngine:
                 finished.append(rid)
                 reasons.append("length")
                 del self.seqs[rid]
-        return StepResult(rids, tokens, finished, reasons, prefill_tokens)
+        self.step_log.append((self.steps, first))
+        return StepResult(rids, tokens, finished, reasons, prefill_tokens, first=first)
 
     def _prefill(self, decoding: int) -> int:
         """Like BatchGenerator: one chunk for each prompt in prefill; padded to the longest piece."""

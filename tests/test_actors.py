@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import anyio
@@ -10,12 +11,16 @@ import pytest
 from structlog.testing import capture_logs
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
+from scheduler.core import AdmissionCore
 from scheduler.errors import InvalidRequest, ModelLoadError, QueueFull, SchedulerClosed
 from tests.fakes import EOS, FakeEngine, fake_factory, fake_token
-from workers.messages import Admit, SamplingSpec
+from workers import worker as worker_module
+from workers.messages import Admit, SamplingSpec, StepOutput
+from workers.worker import GPUWorker
 
 if TYPE_CHECKING:
     from scheduler.types import Chunk
+    from workers.engine import StepResult
 
 pytestmark = pytest.mark.anyio
 
@@ -321,3 +326,70 @@ async def test_when_the_caller_sees_the_end_the_blocks_are_back() -> None:
                 st = s.stats()
                 assert done.finish_reason == "length"
                 assert (st.running, st.blocks_used) == (0, 0)
+
+
+class _LoggedEngine(FakeEngine):
+    """Logs each step's start, from the worker thread, into a list shared with the loop."""
+
+    def __init__(self, events: list[tuple[str, int]], **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.events = events
+
+    def step(self) -> StepResult:
+        self.events.append(("step", self.steps + 1))
+        return super().step()
+
+
+async def test_a_first_token_is_applied_before_the_worker_builds_the_next_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker hands the loop its turn after a step that produced a first token (TTFT): the
+    loop applies that step before the next one starts. A long HANDOFF_S makes the order certain,
+    and the run ending in time shows the loop does release the worker."""
+    monkeypatch.setattr(worker_module, "HANDOFF_S", 30.0)
+    events: list[tuple[str, int]] = []
+    on_step = AdmissionCore.on_step
+
+    def logged(core: AdmissionCore, out: StepOutput, now: float) -> None:
+        on_step(core, out, now)
+        events.append(("applied", out.step))
+
+    monkeypatch.setattr(AdmissionCore, "on_step", logged)
+    engine = _LoggedEngine(events)
+    with anyio.fail_after(10):
+        async with Scheduler(config(worker={"max_batch": 4}), engine_factory=fake_factory(engine)) as s:
+            for n in (1, 2, 3):  # one after another: each one's first token is its own step
+                done = await s.complete([n, 5], SamplingParams(max_tokens=4))
+                assert done.token_ids == expected([n, 5], 4)
+    firsts = [k for k, first in engine.step_log if first]
+    assert len(firsts) == 3
+    for k in firsts:
+        if ("step", k + 1) in events:
+            assert events.index(("applied", k)) < events.index(("step", k + 1)), events
+
+
+async def test_the_worker_goes_on_when_the_loop_never_releases_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a release the worker waits at most HANDOFF_S after a first token, then steps on."""
+    monkeypatch.setattr(worker_module, "HANDOFF_S", 0.2)
+    outputs: list[StepOutput] = []
+    starts: list[float] = []
+    engine = FakeEngine()
+    step = engine.step
+
+    def timed_step() -> StepResult:
+        starts.append(time.perf_counter())
+        return step()
+
+    engine.step = timed_step  # type: ignore[method-assign]
+    worker = GPUWorker(fake_factory(engine), lambda e: outputs.append(e) if isinstance(e, StepOutput) else None)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(worker.run)
+            worker.send(Admit(1, [1, 2], 3, SamplingSpec(), ()))
+            while sum(len(o.tokens) for o in outputs) < 3:
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    assert [t for o in outputs for t in o.tokens] == expected([1, 2], 3)
+    assert len(starts) == 3 and starts[1] - starts[0] >= 0.2  # it waited after the first token

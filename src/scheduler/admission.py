@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.lowlevel
 
 from kvpool.messages import PoolReplies
 from scheduler.core import AdmissionCore, Plan, WorkerCmd
@@ -42,10 +43,11 @@ class Admission:
     def __init__(
         self, *, policy: Policy, pool: Pool, send_to_worker: WorkerSend, codec: Codec,
         eos_token_ids: tuple[int, ...], plan: KVPlan, prefix_cache: bool, max_batch: int,
-        max_queue: int, observer: Observer,
+        max_queue: int, observer: Observer, release_worker: Callable[[], None] | None = None,
     ) -> None:
         self._pool = pool
         self._to_worker = send_to_worker
+        self._release_worker = release_worker
         self.core = AdmissionCore(
             policy=policy, codec=codec, eos_token_ids=eos_token_ids, plan=plan,
             prefix_cache=prefix_cache, max_batch=max_batch, max_queue=max_queue, observer=observer,
@@ -83,27 +85,35 @@ class Admission:
             with inbox:
                 while not core.done:
                     wait = core.next_wakeup() - time.perf_counter()
+                    stepped = False
                     with anyio.move_on_after(max(0.0, wait)):
                         msg = await inbox.receive()
                         now = time.perf_counter()
-                        self._handle(msg, now)
+                        stepped = self._handle(msg, now)
                         while True:  # take everything already queued in one go
                             try:
                                 msg = inbox.receive_nowait()
                             except anyio.WouldBlock:
                                 break
-                            self._handle(msg, now)
+                            stepped = self._handle(msg, now) or stepped
                     self._apply(core.take(time.perf_counter()))
+                    if stepped and self._release_worker is not None:
+                        # Let the callers woken by this step's chunks run first (see
+                        # GPUWorker.release), then hand the worker its turn.
+                        await anyio.lowlevel.checkpoint()
+                        self._release_worker()
         finally:
             # Also on a crash: closing every stream wakes each caller, so none waits forever.
             for out in core.outs():
                 out.close()
 
-    def _handle(self, msg: Inbox, now: float) -> None:
+    def _handle(self, msg: Inbox, now: float) -> bool:
+        """Apply one message to the core; True for a step's output."""
         core = self.core
         match msg:
             case StepOutput():
                 core.on_step(msg, now)
+                return True
             case PoolReplies():
                 core.on_pool(msg, now)
             case SubmitEnvelope(submit, reply, out):
@@ -120,6 +130,7 @@ class Admission:
                 core.on_worker_failed(msg, now)
             case Close(drain_s):
                 core.close(drain_s, now)
+        return False
 
     def _apply(self, plan: Plan) -> None:
         """Worker commands first (an Admit before the Abort of the same request), then the pool

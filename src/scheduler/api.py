@@ -138,6 +138,7 @@ class Scheduler:
                 max_batch=c.worker.max_batch,
                 max_queue=c.scheduler.max_queue,
                 observer=self.metrics,
+                release_worker=worker.release,
             )
             await tg.start(self._run_pool, self._pool, self._admission.post)
             await tg.start(self._run_admission)

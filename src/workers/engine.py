@@ -41,6 +41,8 @@ class StepResult(NamedTuple):
     session_fallbacks: int = 0
     """Session turns inserted since the last step that could not continue their kept KV (see
     `SchedulerStats.session_fallbacks`) and prefill cold."""
+    first: bool = False
+    """Some request emitted its first token in this step (the worker hands the loop its turn)."""
 
 
 class Engine(Protocol):
@@ -122,6 +124,8 @@ class MLXEngine:
         self._fallbacks = 0
         self._store_plan: dict[int, tuple[list[int], int]] = {}
         self._session_of: dict[int, str] = {}
+        self._emitting: set[int] = set()
+        """Requests that have emitted a token (the others are still prefilling)."""
         if step_token_budget == "auto" and mx.default_device().type == mx.DeviceType.gpu:
             # Measured on an H100: each step that prefills syncs MLX's pipelined decode, so
             # spreading prefill over many steps cost about half the throughput at 64 streams.
@@ -268,6 +272,7 @@ class MLXEngine:
         for rid in rids:
             self._store_plan.pop(rid, None)
             self._session_of.pop(rid, None)
+            self._emitting.discard(rid)
         uids = [self._uid_of.pop(rid) for rid in rids if rid in self._uid_of]
         if uids:
             self._gen.remove(uids)
@@ -294,8 +299,13 @@ class MLXEngine:
         reasons: list[str] = []
         stored: list[tuple[Key, int]] = []
         plan = self._store_plan
+        emitting = self._emitting
+        first = False
         for r in responses:
             rid = self._rid_of[r.uid]
+            if rid not in emitting:
+                emitting.add(rid)
+                first = True
             if r.finish_reason != "stop":  # a stop token ends the output; it is not part of it
                 rids.append(rid)
                 tokens.append(r.token)
@@ -304,6 +314,7 @@ class MLXEngine:
             if r.finish_reason is not None:
                 finished.append(rid)
                 reasons.append(r.finish_reason)
+                emitting.discard(rid)
                 del self._rid_of[r.uid]
                 del self._uid_of[rid]
                 session = self._session_of.pop(rid, None)
@@ -313,7 +324,8 @@ class MLXEngine:
                         stored.append(kept)
         fallbacks, self._fallbacks = self._fallbacks, 0
         return StepResult(
-            rids, tokens, finished, reasons, prefilled, stored, mx.get_active_memory(), fallbacks
+            rids, tokens, finished, reasons, prefilled, stored, mx.get_active_memory(), fallbacks,
+            first,
         )
 
     def has_work(self) -> bool:
@@ -334,6 +346,7 @@ class MLXEngine:
 
     def close(self) -> None:
         self._gen.close()
+        self._emitting.clear()
         self._rid_of.clear()
         self._uid_of.clear()
         self._store_plan.clear()
