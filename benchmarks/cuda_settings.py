@@ -7,7 +7,10 @@ For each model and setting, one process (MLX reads `MLX_USE_CUDA_GRAPHS` and
 - tokens/s of a bare tight loop and of our `Scheduler` at each number of streams (closed loop,
   one wave of requests, greedy, `ignore_eos`), as in `overhead.py`.
 With `--quant`, it also times one transformer layer's matmuls of an 8B llama shape in bf16 and
-4-bit (`mx.quantized_matmul`) at each batch size: where a 4-bit decode step's time goes.
+4-bit (`mx.quantized_matmul`) at each batch size: where a 4-bit decode step's time goes. With
+`--quant-step`, the whole mask-free decode step of each model, quantized in stages in memory
+(bf16; the transformer layers 4-bit; then the embedding and `lm_head` too), plus `lm_head` alone:
+which part of a 4-bit step costs what.
 
     python benchmarks/cuda_settings.py --models synthetic:qwen2.5-0.5b synthetic:llama-3.2-1b \\
         --settings default graphs_off ops60 ops250 --streams 1 8 64 256 --out results.json
@@ -160,6 +163,45 @@ async def scheduler_level(config: Any, warm: list[list[int]], prompts: list[list
     return tokens, elapsed
 
 
+def quant_step_ms(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The mask-free decode step with the model quantized (4-bit, group 64) in stages."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    def head_ms(b: int) -> float:
+        """`lm_head` (or the tied embedding) alone on `b` rows."""
+        inner = model.model if hasattr(model, "model") else model
+        x = mx.random.normal((b, 1, model.args.hidden_size)).astype(mx.bfloat16)
+        head = model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens.as_linear
+        for _ in range(3):
+            mx.eval(head(x))
+        mx.synchronize()
+        t = time.perf_counter()
+        for _ in range(20):
+            mx.eval(head(x))
+        mx.synchronize()
+        return (time.perf_counter() - t) / 20 * 1e3
+
+    def layers_only(path: str, module: Any) -> bool:
+        return isinstance(module, nn.Linear) and "lm_head" not in path
+
+    stages = [("bf16", None), ("layers 4-bit", layers_only), ("all 4-bit", lambda p, m: hasattr(m, "to_quantized"))]
+    rows = []
+    for name, predicate in stages:
+        if predicate is not None:
+            nn.quantize(model, group_size=64, bits=4, class_predicate=predicate)
+            mx.eval(model.parameters())
+            mx.clear_cache()
+        for b in args.batches:
+            row = {"stage": name, "batch": b,
+                   "step_ms": decode_ms(model, b, args.prompt_tokens, True, args.warmup_steps, args.steps,
+                                        args.seed + b),
+                   "lm_head_ms": head_ms(b)}
+            rows.append(row)
+            print(f"    quant-step {row}", file=sys.stderr, flush=True)
+    return rows
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import anyio
     import mlx.core as mx
@@ -179,6 +221,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     t = time.perf_counter()
     model, _ = load_model(args.model)
     cell["load_s"] = time.perf_counter() - t
+    if args.quant_step:
+        cell["quant_step"] = quant_step_ms(model, args)
+        return cell
     decode = []
     for b in args.batches:
         row = {"batch": b}
@@ -228,6 +273,14 @@ def print_tables(cells: list[dict[str, Any]]) -> None:
                 print(f"{c['setting']:<18}" + "".join(
                     f"{r['bare_tok_s']:>9.0f}/{r['sched_tok_s']:<8.0f}" for r in c["streams"]))
     for c in cells:
+        if "quant_step" in c:
+            print(f"\n{c['model']} ({c['setting']}): mask-free decode step, ms (lm_head alone, ms)")
+            rows = c["quant_step"]
+            batches = list(dict.fromkeys(r["batch"] for r in rows))
+            print(f"{'stage':<16}" + "".join(f"{'B=' + str(b):>18}" for b in batches))
+            for stage in dict.fromkeys(r["stage"] for r in rows):
+                print(f"{stage:<16}" + "".join(
+                    f"{r['step_ms']:>10.2f} ({r['lm_head_ms']:.2f})" for r in rows if r["stage"] == stage))
         if "quant" in c:
             print(f"\n8B layer matmuls ({c['setting']}): " + "; ".join(
                 f"B={r['batch']} bf16 {r['bf16_layer_ms']:.3f} ms, 4-bit {r['q4_layer_ms']:.3f} ms "
@@ -246,6 +299,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="timed decode steps")
     ap.add_argument("--warmup-steps", type=int, default=10)
     ap.add_argument("--quant", action="store_true", help="also time an 8B layer's matmuls, bf16 and 4-bit")
+    ap.add_argument("--quant-step", action="store_true",
+                    help="instead of the settings cells: each model's decode step quantized in stages")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per cell")
     ap.add_argument("--deadline", type=float, default=0, help="seconds for the whole run; 0: none")
     ap.add_argument("--seed", type=int, default=0)
@@ -279,6 +334,8 @@ def main() -> None:
                "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps), "--seed", str(args.seed)]
         if not model:
             cmd.append("--quant")
+        if args.quant_step:
+            cmd.append("--quant-step")
         print(f"=== {time.strftime('%H:%M:%S')} {model or '8B layer matmuls'} {setting}", flush=True)
         try:
             done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, timeout=min(args.timeout, left), check=False)

@@ -15,8 +15,12 @@
 #               (masked, mask-free) and bare loop / scheduler tok/s at 1 8 64 256 streams
 #   single      benchmarks/peers.py at 1 stream (bare, scheduler, sequential stream_generate),
 #               with CUDA graphs on and off (GRAPHS="1 0"; GRAPHS=0: what cuda_graphs = "auto" picks for these)
-#   settings-8b the settings stage's decode steps for a random llama-3.1-8B bf16 shape (built
-#               first, ~105 s), graphs on and off
+#   settings-8b the settings stage for a random llama-3.1-8B bf16 shape (built first, ~105 s),
+#               graphs on and off: decode steps, and bare loop / scheduler at $STREAMS streams
+#   quant-step  benchmarks/cuda_settings.py --quant-step: the 8B shape's whole decode step in bf16,
+#               with its layers 4-bit, then all 4-bit (embedding and lm_head too), and lm_head alone
+#   one-stream  benchmarks/one_stream.py: one request at a time, stream_generate / bare loop /
+#               engine adapter / scheduler, TTFT and ITL, with a trace of each hop
 # Time limits: LIMIT_S (any stage), SETTINGS_S, SINGLE_S, SETTINGS8B_S. The 2026-11-23 run used
 # LIMIT_S=90 SETTINGS_S=110 SINGLE_S=40 SETTINGS8B_S=150 in one 590 s call, too little for quant,
 # single (its peers.py runs build a no-EOS copy first), ops250 and settings-8b: give each of those
@@ -83,6 +87,7 @@ for s in "${stages[@]}"; do
       settings)
         timeout "${SETTINGS_S:-$limit}" python3 -P benchmarks/cuda_settings.py --models "synthetic:$m" \
           --settings ${SETTINGS:-default graphs_off ops250} --deadline "${SETTINGS_S:-$limit}" \
+          --batches ${BATCHES:-1 8 64 256} --streams ${STREAMS:-1 8 64 256} \
           --steps 30 --warmup-steps 5 --max-tokens ${MAX_TOKENS:-32} --out "$out/cuda_settings.json" ;;
       single)
         for g in ${GRAPHS:-1 0}; do
@@ -93,8 +98,17 @@ for s in "${stages[@]}"; do
       settings-8b)
         [ "$m" = "${models[0]}" ] || continue
         timeout "${SETTINGS8B_S:-$limit}" python3 -P benchmarks/cuda_settings.py --models llama-3.1-8b \
-          --settings default graphs_off --streams --steps 20 --warmup-steps 5 --timeout 240 \
+          --settings ${SETTINGS:-default graphs_off} --streams ${STREAMS:-1 8 64 256} --steps 20 \
+          --warmup-steps 5 --max-tokens ${MAX_TOKENS:-32} --timeout 400 \
           --deadline "${SETTINGS8B_S:-$limit}" --out "$out/cuda_settings.json" ;;
+      quant-step)
+        [ "$m" = "${models[0]}" ] || continue
+        timeout "${QUANT_S:-$limit}" python3 -P benchmarks/cuda_settings.py --models llama-3.1-8b --settings default \
+          --quant-step --batches ${BATCHES:-1 8 64} --steps 20 --warmup-steps 5 --timeout 400 \
+          --deadline "${QUANT_S:-$limit}" --out "$out/quant_step.json" ;;
+      one-stream)
+        timeout "$limit" python3 -P benchmarks/one_stream.py --model "synthetic:$m" --requests ${REQUESTS:-10} \
+          --out "$out/one_stream-$m.json" ;;
       cluster)
         [ "$m" = qwen2.5-0.5b ] || continue
         timeout "$limit" python3 -P benchmarks/cluster.py --parts b --model "synthetic:$m" --device cuda \

@@ -1,0 +1,171 @@
+"""One stream: where its TTFT and its time per token go (issue 15).
+
+In one process, one request at a time (prompt 128 tokens, 32 greedy tokens), medians over N
+requests after warm-up:
+- `stream_generate` (mlx-lm's one-sequence loop), the bare `BatchGenerator`, and our engine
+  adapter alone (`MLXEngine`, mask-free and masked), stepped on this thread;
+- our `Scheduler` (one warmed instance), prompts as token ids and as text;
+- the same again with a trace of each hop (submit, pool, worker insert/step, the loop applying
+  each step, the first chunk), printed for two requests.
+
+    python benchmarks/one_stream.py --model synthetic:tiny --requests 10
+
+Prints a table and writes JSON (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import no_eos_model, our_toml  # noqa: E402
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+MAX_TOKENS = 32
+
+
+def med_ms(xs: list[float]) -> float:
+    return round(1000 * statistics.median(xs), 2)
+
+
+def main() -> None:
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.generate import BatchGenerator
+
+    import kvpool.pool as pool_mod
+    import scheduler.core as core_mod
+    import workers.engine as engine_mod
+    import workers.worker as worker_mod
+    from scheduler import SamplingParams, Scheduler
+    from scheduler.bench import datasets
+    from scheduler.config import SchedulerConfig
+    from workers.messages import Admit, SamplingSpec
+    from workers.models import load_model
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="synthetic:tiny", help="synthetic:NAME or a model directory")
+    ap.add_argument("--requests", type=int, default=10)
+    ap.add_argument("--out", default="benchmarks/results/one_stream.json")
+    args = ap.parse_args()
+    path = Path(args.model)
+    model_dir = path if path.is_dir() else no_eos_model(args.model, None)
+    codec = datasets.load_codec(model_dir)
+    specs = datasets.build("random", datasets.PromptMaker(codec), num_prompts=args.requests + 3,
+                           input_len=128, output_len=MAX_TOKENS, seed=5)
+    ids = [codec.encode(s.prompt) for s in specs]
+    model, tokenizer = load_model(str(model_dir))
+    vocab = int(model.args.vocab_size)
+    greedy = SamplingSpec(0.0, 1.0, 0, 0.0, None)
+    rows: dict[str, dict[str, float]] = {}
+
+    def sg(p: list[int]) -> list[float]:
+        t0, ts = time.perf_counter(), []
+        for _ in stream_generate(model, tokenizer, mx.array(p), max_tokens=MAX_TOKENS):
+            ts.append(time.perf_counter() - t0)
+        return ts
+
+    def bare(p: list[int]) -> list[float]:
+        gen = BatchGenerator(model, completion_batch_size=1, prefill_batch_size=1)
+        t0, ts = time.perf_counter(), []
+        gen.insert([p], max_tokens=[MAX_TOKENS])
+        while len(ts) < MAX_TOKENS:
+            _, responses = gen.next()
+            ts += [time.perf_counter() - t0] * len(responses)
+        gen.close()
+        return ts
+
+    def engine(p: list[int], mask_free: bool) -> list[float]:
+        e = engine_mod.MLXEngine(model, vocab_size=vocab, max_batch=1, prefill_batch=8, prefill_step=512,
+                                 mask_free=mask_free)
+        t0, ts = time.perf_counter(), []
+        e.insert([Admit(1, p, MAX_TOKENS, greedy, ())])
+        while len(ts) < MAX_TOKENS:
+            ts += [time.perf_counter() - t0] * len(e.step().tokens)
+        e.close()
+        return ts
+
+    def record(label: str, runs: list[list[float]]) -> None:
+        ttft = [r[0] for r in runs]
+        itl = [(r[-1] - r[0]) / (len(r) - 1) for r in runs]
+        tok_s = statistics.median(len(r) / r[-1] for r in runs)
+        rows[label] = {"ttft_p50_ms": med_ms(ttft), "itl_p50_ms": med_ms(itl), "tok_s": round(tok_s, 1)}
+        print(f"{label:28s} TTFT p50 {med_ms(ttft):8.2f} ms  ITL p50 {med_ms(itl):6.2f} ms  "
+              f"tok/s {tok_s:7.1f}", flush=True)
+
+    mask_free: Callable[[list[int]], list[float]] = functools.partial(engine, mask_free=True)
+    masked: Callable[[list[int]], list[float]] = functools.partial(engine, mask_free=False)
+    loops = [("stream_generate", sg), ("bare BatchGenerator", bare), ("engine, mask-free", mask_free),
+             ("engine, masked", masked)]
+    for _, fn in loops:
+        for p in ids[:3]:
+            fn(p)
+    for label, fn in loops:
+        record(label, [fn(p) for p in ids[3:]])
+
+    marks: list[tuple[str, float]] = []
+
+    async def through_scheduler(prompts: list[Any], trace: bool) -> tuple[list[list[float]], list[Any]]:
+        config = SchedulerConfig.from_toml(our_toml(model_dir, 1, ""))
+        runs, traces = [], []
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        async with Scheduler(config) as s:
+            for i, p in enumerate(prompts):
+                marks.clear()
+                t0, ts = time.perf_counter(), []
+                async for c in s.generate(p, params):
+                    if c.token_ids:
+                        if trace and not ts:
+                            marks.append(("FIRST", time.perf_counter()))
+                        ts += [time.perf_counter() - t0] * len(c.token_ids)
+                if i >= 3:
+                    runs.append(ts)
+                    traces.append([(label, round(1000 * (t - t0), 2)) for label, t in marks])
+        return runs, traces
+
+    record("scheduler, token ids", anyio.run(through_scheduler, ids, False)[0])
+    record("scheduler, text", anyio.run(through_scheduler, [s.prompt for s in specs], False)[0])
+
+    def traced(cls: Any, name: str, label: str) -> None:
+        f = getattr(cls, name)
+
+        @functools.wraps(f)
+        def g(*a: Any, **k: Any) -> Any:
+            marks.append((label + ">", time.perf_counter()))
+            result = f(*a, **k)
+            marks.append((label + "<", time.perf_counter()))
+            return result
+
+        setattr(cls, name, g)
+
+    for cls, name, label in [
+        (core_mod.AdmissionCore, "submit", "submit"), (pool_mod.Pool, "send", "pool"),
+        (core_mod.AdmissionCore, "on_pool", "granted"), (worker_mod.GPUWorker, "send", "to_worker"),
+        (engine_mod.MLXEngine, "insert", "insert"), (engine_mod.MLXEngine, "step", "step"),
+        (core_mod.AdmissionCore, "on_step", "applied"),
+    ]:
+        traced(cls, name, label)
+    runs, traces = anyio.run(through_scheduler, ids, True)
+    record("scheduler, ids, traced", runs)
+    for t in traces[-2:]:
+        first = next(x for label, x in t if label == "FIRST")
+        print("  trace ms:", " ".join(f"{label}{x}" for label, x in t if x <= first))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": args.model, "rows": rows, "traces": traces[-2:]}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
