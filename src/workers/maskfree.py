@@ -34,6 +34,7 @@ REQUIRED = (
     "GenerationBatch.uids, .prompt_cache",
     "BatchKVCache.left_padding, .make_mask(N, return_array=, window_size=)",
     "models.base.create_attention_mask calls cache.make_mask",
+    "BatchKVCache.filter trims the padding its rows share (a lone row has none)",
 )
 """The mlx-lm internals (0.32.2) that the mask-free decode uses."""
 
@@ -58,6 +59,13 @@ def check_mlx_lm(gen: Any = None) -> str | None:
     probe = _Probe()
     if base.create_attention_mask(mx.zeros((1, 1, 1)), probe) is not _Probe.MASK:
         problems.append("create_attention_mask no longer asks the cache for its mask")
+    if not problems:
+        padded: Any = BatchKVCache([1, 2])  # mlx-lm is untyped here
+        kv = mx.zeros((2, 1, 3, 1))
+        padded.update_and_fetch(kv, kv)
+        padded.filter([1])
+        if padded.left_padding.tolist() != [0]:
+            problems.append("BatchKVCache.filter no longer trims shared left padding")
     return "; ".join(problems) or None
 
 
@@ -131,8 +139,10 @@ class MaskFreeDecode:
         self._caches = caches
         # Only the plain batch cache: rotating and recurrent caches mask for other reasons.
         plain = bool(caches) and all(type(c) is BatchKVCache for c in caches)
-        # One small sync when the rows change; every layer shares the same padding.
-        self._on = plain and not any(caches[0].left_padding.tolist())
+        # A lone row has no padding (mlx-lm's filter trims what rows share). Otherwise one small
+        # read when the rows change (every layer shares the same padding); it waits for the
+        # step in flight, so the common one-stream case skips it.
+        self._on = plain and (len(self._rows) == 1 or not any(caches[0].left_padding.tolist()))
         if self._on:
             for c in caches:
                 c.make_mask = _decode_mask(type(c).make_mask.__get__(c))

@@ -74,6 +74,8 @@ class GPUWorker(Generic[InfoT]):
         """Requests being inserted: a failed insert loses them before the engine holds them."""
         self._start_result: tuple[InfoT | None, BaseException | None] = (None, None)
         self._handoff = threading.Event()
+        self._held_back: list[StepOutput] = []
+        """Outputs of quiet steps (prefill only), posted with the next step's: one wake-up."""
 
     def send(self, command: WorkerCommand) -> None:
         """Hand a command to the worker thread; never blocks."""
@@ -116,10 +118,18 @@ class GPUWorker(Generic[InfoT]):
 
     def _post(self, event: WorkerEvent) -> None:
         assert self._loop_caller is not None
+        held, self._held_back = self._held_back, []
         try:
-            self._loop_caller(self._emit, event)
+            if held:
+                self._loop_caller(self._emit_all, [*held, event])
+            else:
+                self._loop_caller(self._emit, event)
         except LoopClosed:  # the loop is gone: nobody is left to tell
             pass
+
+    def _emit_all(self, events: list[WorkerEvent]) -> None:
+        for event in events:
+            self._emit(event)
 
     def _post_started(self, info: InfoT | None, error: BaseException | None) -> None:
         def done() -> None:
@@ -169,6 +179,8 @@ class GPUWorker(Generic[InfoT]):
         while True:
             pending: list[WorkerCommand] = []
             if not engine.has_work():
+                if self._held_back:
+                    self._post(self._held_back.pop())
                 pending.append(commands.get())  # idle: block until there is something to do
             while True:
                 try:
@@ -196,6 +208,8 @@ class GPUWorker(Generic[InfoT]):
             self._inserting = []
             engine.remove(aborted)
             if stop:
+                if self._held_back:
+                    self._post(self._held_back.pop())
                 return
             if engine.has_work():
                 t_start = time.perf_counter()
@@ -207,13 +221,17 @@ class GPUWorker(Generic[InfoT]):
                 r = _NOTHING
             else:
                 continue
-            self._handoff.clear()
-            self._post(
-                StepOutput(
-                    self._step, r.rids, r.tokens, r.finished, r.reasons, aborted, engine.held(),
-                    t_start, t_end, r.prefill_tokens, kept + r.stored, r.active_bytes,
-                    r.session_fallbacks,
-                )
+            out = StepOutput(
+                self._step, r.rids, r.tokens, r.finished, r.reasons, aborted, engine.held(),
+                t_start, t_end, r.prefill_tokens, kept + r.stored, r.active_bytes,
+                r.session_fallbacks,
             )
+            if not (r.rids or r.finished or aborted or out.stored or r.session_fallbacks):
+                # Prefill only: nothing the loop must act on now. Waking it would take the GIL
+                # from the next step's graph building; it learns of this step with the next.
+                self._held_back.append(out)
+                continue
+            self._handoff.clear()
+            self._post(out)
             if r.first and engine.has_work():
                 self._handoff.wait(HANDOFF_S)
