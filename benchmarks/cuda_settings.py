@@ -121,8 +121,13 @@ def quant_layer_ms(batches: list[int], iters: int = 30) -> list[dict[str, Any]]:
             return [mx.quantized_matmul(x, *wq, transpose=True, group_size=64, bits=4)
                     for x, wq in zip(xs, w_q, strict=True)]
 
+        def q4_3d(xs: list[Any] = xs) -> list[Any]:
+            """As a model's decode step calls it: (batch, 1, in)."""
+            return [mx.quantized_matmul(x[:, None], *wq, transpose=True, group_size=64, bits=4)
+                    for x, wq in zip(xs, w_q, strict=True)]
+
         row: dict[str, Any] = {"batch": b}
-        for name, fn in (("bf16", bf16), ("q4", q4)):
+        for name, fn in (("bf16", bf16), ("q4", q4), ("q4_3d", q4_3d)):
             for _ in range(3):
                 mx.eval(fn())
             mx.synchronize()
@@ -185,10 +190,15 @@ def quant_step_ms(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     def layers_only(path: str, module: Any) -> bool:
         return isinstance(module, nn.Linear) and "lm_head" not in path
 
-    stages = [("bf16", None), ("layers 4-bit", layers_only), ("all 4-bit", lambda p, m: hasattr(m, "to_quantized"))]
+    from workers.quantfold import fold_decode_batch
+
+    stages = [("bf16", None), ("layers 4-bit", layers_only), ("all 4-bit", lambda p, m: hasattr(m, "to_quantized")),
+              ("all 4-bit, folded", "fold")]
     rows = []
     for name, predicate in stages:
-        if predicate is not None:
+        if predicate == "fold":
+            fold_decode_batch(model)
+        elif predicate is not None:
             nn.quantize(model, group_size=64, bits=4, class_predicate=predicate)
             mx.eval(model.parameters())
             mx.clear_cache()
@@ -239,7 +249,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         prompts = make_prompts(n, args.prompt_tokens, vocab, args.seed + n)
         warm = make_prompts(min(n, 8), args.prompt_tokens, vocab, args.seed + n + 10**6)
         config = SchedulerConfig.from_toml(
-            f'[model]\npath = "{args.model}"\n[worker]\nmax_batch = {n}\nstep_token_budget = 0\n[kvpool]\nmemory = "16GiB"\n'
+            f'[model]\npath = "{args.model}"\n[worker]\nmax_batch = {n}\nstep_token_budget = 0\n[kvpool]\nmemory = "{args.memory}"\n'
             '[logging]\nlevel = "warning"\n')
         w = config.worker
         bare_loop(model, warm, n, args.max_tokens, w.prefill_batch, w.prefill_step)
@@ -284,7 +294,8 @@ def print_tables(cells: list[dict[str, Any]]) -> None:
         if "quant" in c:
             print(f"\n8B layer matmuls ({c['setting']}): " + "; ".join(
                 f"B={r['batch']} bf16 {r['bf16_layer_ms']:.3f} ms, 4-bit {r['q4_layer_ms']:.3f} ms "
-                f"(x{r['q4_over_bf16']:.1f})" for r in c["quant"]))
+                f"(x{r['q4_over_bf16']:.1f}), 4-bit on (B, 1, in) {r.get('q4_3d_layer_ms', 0):.3f} ms"
+                for r in c["quant"]))
 
 
 def main() -> None:
@@ -299,6 +310,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="timed decode steps")
     ap.add_argument("--warmup-steps", type=int, default=10)
     ap.add_argument("--quant", action="store_true", help="also time an 8B layer's matmuls, bf16 and 4-bit")
+    ap.add_argument("--memory", default="16GiB",
+                    help="our [kvpool] memory, weights included (an 8B bf16 model's weights are 16 GB)")
     ap.add_argument("--quant-step", action="store_true",
                     help="instead of the settings cells: each model's decode step quantized in stages")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per cell")
@@ -331,7 +344,8 @@ def main() -> None:
         cmd = [sys.executable, "-P", __file__, "--child", "--model", model, "--setting", setting,
                "--batches", *map(str, args.batches), "--streams", *map(str, args.streams),
                "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens),
-               "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps), "--seed", str(args.seed)]
+               "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps), "--seed", str(args.seed),
+               "--memory", args.memory]
         if not model:
             cmd.append("--quant")
         if args.quant_step:

@@ -99,7 +99,7 @@ for s in "${stages[@]}"; do
         [ "$m" = "${models[0]}" ] || continue
         timeout "${SETTINGS8B_S:-$limit}" python3 -P benchmarks/cuda_settings.py --models llama-3.1-8b \
           --settings ${SETTINGS:-default graphs_off} --streams ${STREAMS:-1 8 64 256} --steps 20 \
-          --warmup-steps 5 --max-tokens ${MAX_TOKENS:-32} --timeout 400 \
+          --warmup-steps 5 --max-tokens ${MAX_TOKENS:-32} --timeout 400 --memory ${MEMORY_8B:-48GiB} \
           --deadline "${SETTINGS8B_S:-$limit}" --out "$out/cuda_settings.json" ;;
       quant-step)
         [ "$m" = "${models[0]}" ] || continue

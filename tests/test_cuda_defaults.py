@@ -58,12 +58,12 @@ def _model_dir(directory: Path, config: str, weights: int) -> Path:
     return directory
 
 
-def test_auto_keeps_graphs_for_large_or_quantized_models(tmp_path: Path) -> None:
+def test_auto_keeps_graphs_for_quantized_models_only(tmp_path: Path) -> None:
     small = _model_dir(tmp_path / "small", "{}", 2 * 2**30)
     large = _model_dir(tmp_path / "large", "{}", 16 * 2**30)
     quant = _model_dir(tmp_path / "quant", '{"quantization": {"bits": 4, "group_size": 64}}', 4 * 2**30)
     assert graphs_wanted("auto", small) is False
-    assert graphs_wanted("auto", large) is True
+    assert graphs_wanted("auto", large) is False
     assert graphs_wanted("auto", quant) is True
     assert graphs_wanted("on", small) is True
     assert graphs_wanted("off", large) is False

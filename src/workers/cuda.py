@@ -2,11 +2,13 @@
 
 MLX reads its `MLX_*` variables once, when it first uses the GPU, so these go into the process
 environment before the worker loads the model; a variable the user has set is left alone. Measured
-on an H100 with `benchmarks/cuda_settings.py` (README, "On a GPU"): with CUDA graphs off the
-decode step was faster at batch 1 to 256 on the qwen2.5-0.5b and llama-3.2-1b shapes (host-bound:
-the KV length changes every step, so captured graphs do not replay), but slower at batch 1, 64 and
-256 on an 8B bf16 shape, and 4-bit matmuls were 1.7-1.8x slower with graphs off. So it depends:
-`[worker] cuda_graphs = "auto"` turns graphs off only for small unquantized models.
+on an H100 with `benchmarks/cuda_settings.py` (README, "On a GPU"): through our scheduler, CUDA
+graphs off gave more tokens/s at 8 to 256 streams on the qwen2.5-0.5b and llama-3.2-1b shapes
+(host-bound: the KV length changes every step, so captured graphs do not replay) and at 64 and
+256 streams on an 8B bf16 shape (1.71x, 1.48x; the bare decode step of equal rows was faster with
+graphs at batch 1 and 256 there, but not the served mix of prefill and decode); 4-bit matmuls
+were 1.7-3x slower with graphs off. So `[worker] cuda_graphs = "auto"` turns graphs off for
+unquantized models and keeps MLX's default for quantized ones.
 """
 
 from __future__ import annotations
@@ -25,10 +27,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 CUDA_DEFAULTS: dict[str, str] = {"MLX_USE_CUDA_GRAPHS": "0"}
-"""What "auto" sets for a small unquantized model."""
-GRAPHS_ON_FROM_BYTES = 8 * 2**30
-"""With "auto", models whose weights on disk reach this keep CUDA graphs (the 8B bf16 shape's
-step was faster with them; the 1B shape's, 2.5 GB, without)."""
+"""What "auto" sets for an unquantized model."""
 
 
 def on_cuda() -> bool:
@@ -39,7 +38,7 @@ def on_cuda() -> bool:
 
 def graphs_wanted(choice: str, model_dir: Path | None) -> bool:
     """Whether CUDA graphs should stay on for `[worker] cuda_graphs = choice`: "on"/"off" as
-    said; "auto": on for quantized models and for weights of `GRAPHS_ON_FROM_BYTES` or more."""
+    said; "auto": on for quantized models only."""
     if choice != "auto":
         return choice == "on"
     if model_dir is None:
@@ -48,10 +47,7 @@ def graphs_wanted(choice: str, model_dir: Path | None) -> bool:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
-    if isinstance(config, dict) and ("quantization" in config or "quantization_config" in config):
-        return True
-    size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-    return size >= GRAPHS_ON_FROM_BYTES
+    return isinstance(config, dict) and ("quantization" in config or "quantization_config" in config)
 
 
 def cuda_defaults(env: MutableMapping[str, str], cuda: bool, graphs: bool = False) -> dict[str, str]:
