@@ -43,24 +43,12 @@ HERE = Path(__file__).resolve().parent
 
 
 def llama_8b(cache: str | None = None) -> str:
-    """A random-weight llama-3.1-8B shape in bf16 (16 GB; ~105 s to write on the GPU machine)."""
-    from workers import synthetic
+    """A random-weight llama-3.1-8B shape in bf16 (16 GB; ~105 s to write on the GPU machine),
+    the same directory as `shapes.py llama-3.1-8b` (the served-8b stage)."""
+    sys.path.insert(0, str(HERE))
+    from shapes import build
 
-    spec = synthetic.SyntheticSpec(
-        model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
-        max_position_embeddings=131072, dtype="bfloat16", rope_theta=500000.0,
-        tie_word_embeddings=False,
-        rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
-                      ("original_max_position_embeddings", 8192), ("rope_type", "llama3")),
-    )
-    final = synthetic.cache_root(cache) / "models" / "llama-3.1-8b-bench"
-    if not (final / "config.json").is_file():
-        tmp = final.with_name(final.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
-        synthetic.write_model(spec, 0, tmp, name="llama-3.1-8b")
-        tmp.rename(final)
-    return str(final)
+    return str(build("llama-3.1-8b", cache))
 
 
 def decode_ms(model: Any, b: int, prompt_tokens: int, mask_free: bool, warmup: int, steps: int,
