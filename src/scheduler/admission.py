@@ -85,19 +85,19 @@ class Admission:
             with inbox:
                 while not core.done:
                     wait = core.next_wakeup() - time.perf_counter()
-                    stepped = False
+                    handoff = False
                     with anyio.move_on_after(max(0.0, wait)):
                         msg = await inbox.receive()
                         now = time.perf_counter()
-                        stepped = self._handle(msg, now)
+                        handoff = self._handle(msg, now)
                         while True:  # take everything already queued in one go
                             try:
                                 msg = inbox.receive_nowait()
                             except anyio.WouldBlock:
                                 break
-                            stepped = self._handle(msg, now) or stepped
+                            handoff = self._handle(msg, now) or handoff
                     self._apply(core.take(time.perf_counter()))
-                    if stepped and self._release_worker is not None:
+                    if handoff and self._release_worker is not None:
                         # Let the callers woken by this step's chunks run first (see
                         # GPUWorker.release), then hand the worker its turn.
                         await anyio.lowlevel.checkpoint()
@@ -108,12 +108,12 @@ class Admission:
                 out.close()
 
     def _handle(self, msg: Inbox, now: float) -> bool:
-        """Apply one message to the core; True for a step's output."""
+        """Apply one message to the core; True when the worker waits for its turn after it."""
         core = self.core
         match msg:
             case StepOutput():
                 core.on_step(msg, now)
-                return True
+                return msg.handoff
             case PoolReplies():
                 core.on_pool(msg, now)
             case SubmitEnvelope(submit, reply, out):

@@ -85,6 +85,8 @@ class StepOutput(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=Tru
     """MLX's active memory after the step."""
     session_fallbacks: int = 0
     """Session turns that could not continue their kept KV and prefilled cold."""
+    handoff: bool = False
+    """The worker waits for `GPUWorker.release` before building its next step (a first token)."""
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True):

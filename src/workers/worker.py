@@ -221,10 +221,11 @@ class GPUWorker(Generic[InfoT]):
                 r = _NOTHING
             else:
                 continue
+            handoff = r.first and engine.has_work()
             out = StepOutput(
                 self._step, r.rids, r.tokens, r.finished, r.reasons, aborted, engine.held(),
                 t_start, t_end, r.prefill_tokens, kept + r.stored, r.active_bytes,
-                r.session_fallbacks,
+                r.session_fallbacks, handoff,
             )
             if not (r.rids or r.finished or aborted or out.stored or r.session_fallbacks):
                 # Prefill only: nothing the loop must act on now. Waking it would take the GIL
@@ -233,5 +234,5 @@ class GPUWorker(Generic[InfoT]):
                 continue
             self._handoff.clear()
             self._post(out)
-            if r.first and engine.has_work():
+            if handoff:
                 self._handoff.wait(HANDOFF_S)
