@@ -18,7 +18,7 @@ import anyio.lowlevel
 from kvpool.messages import PoolReplies
 from scheduler.core import AdmissionCore, Plan, WorkerCmd
 from scheduler.messages import Cancel, Close, DropSession, SubmitEnvelope
-from workers.messages import StepOutput, WorkerEvent, WorkerFailed
+from workers.messages import Admit, StepOutput, WorkerEvent, WorkerFailed
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
@@ -96,12 +96,19 @@ class Admission:
                             except anyio.WouldBlock:
                                 break
                             handoff = self._handle(msg, now) or handoff
-                    self._apply(core.take(time.perf_counter()))
+                    plan = core.take(time.perf_counter())
+                    self._apply(plan)
                     if handoff and self._release_worker is not None:
                         # Let the callers woken by this step's chunks run first (see
                         # GPUWorker.release), then hand the worker its turn.
                         await anyio.lowlevel.checkpoint()
                         self._release_worker()
+                    elif core.counters.engine_batch == 0 and any(
+                        isinstance(cmd, Admit) for cmd in plan.worker
+                    ):
+                        # The worker sat idle: yield, so that it can take the GIL and start the
+                        # prefill now rather than when this loop next waits (TTFT at low load).
+                        await anyio.lowlevel.checkpoint()
         finally:
             # Also on a crash: closing every stream wakes each caller, so none waits forever.
             for out in core.outs():
