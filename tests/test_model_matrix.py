@@ -133,6 +133,11 @@ async def test_model(entry: MatrixModel, model_cache: Path, anyio_backend: str) 
     unavailable = [e for e in logs if e["event"] == "prefix_cache_unavailable"]
     assert st.prefix_cache_available is entry.prefix_reuse
     assert value(samples, "prefix_cache_available") == int(entry.prefix_reuse)
+    # Mask-free decode needs plain KVCaches too: the same models, said once per scheduler.
+    no_mask_free = [e for e in logs if e["event"] == "mask_free_decode_unavailable"]
+    assert st.mask_free_decode is entry.prefix_reuse
+    assert value(samples, "mask_free_decode") == int(entry.prefix_reuse)
+    assert len(no_mask_free) == (0 if entry.prefix_reuse else 2)
     if entry.prefix_reuse:
         assert not unavailable
         assert st.prefix_hit_tokens - before_prefix.prefix_hit_tokens == 2 * BLOCK

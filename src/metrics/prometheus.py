@@ -110,6 +110,9 @@ class GaugeSource(Protocol):
     @property
     def prefix_cache_available(self) -> bool: ...
 
+    @property
+    def mask_free_decode(self) -> bool: ...
+
 
 class SchedulerMetrics:
     """Observer + collector. Call the observer methods from one thread (the event loop); scrape
@@ -249,6 +252,8 @@ class SchedulerMetrics:
             ("mlx_active_bytes", "MLX's active memory after the last step.", stats.active_bytes),
             ("prefix_cache_available", "1 when the model's caches can share prefix blocks, 0 when "
              "they cannot (sliding-window or recurrent layers).", int(stats.prefix_cache_available)),
+            ("mask_free_decode", "1 when decode steps without left padding skip the attention mask "
+             "(fused attention), 0 when the model's caches need it.", int(stats.mask_free_decode)),
         ):
             yield GaugeMetricFamily(f"{p}_{name}", doc, value=value)
         for name, doc, value in (

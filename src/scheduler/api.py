@@ -116,6 +116,9 @@ class Scheduler:
             info = loaded.info
             if loaded.prefix_unavailable:
                 log.warning("prefix_cache_unavailable", model=info.name, reason=loaded.prefix_unavailable)
+            if loaded.mask_free_unavailable:
+                log.warning("mask_free_decode_unavailable", model=info.name,
+                            reason=loaded.mask_free_unavailable)
             if not loaded.sessions:
                 log.warning("session_cache_unavailable", model=info.name,
                             reason="a layer's cache class cannot be extracted from a batch")
@@ -308,6 +311,7 @@ class Scheduler:
             prefix_hit_tokens=c.prefix_hit_tokens, session_hits=c.session_hits,
             session_fallbacks=c.session_fallbacks,
             prefix_cache_available=self._loaded is None or not self._loaded.prefix_unavailable,
+            mask_free_decode=self._loaded is None or not self._loaded.mask_free_unavailable,
         )
 
     async def drop_session(self, session: str) -> bool:

@@ -88,3 +88,6 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     nothing with it, or the last turn's KV could not be kept."""
     prefix_cache_available: bool = True
     """False when the model's caches cannot share prefix blocks (see the Models section)."""
+    mask_free_decode: bool = True
+    """False when no decode step can skip mlx-lm's attention mask (sliding-window or recurrent
+    layers, or an mlx-lm whose internals changed; the log says which)."""

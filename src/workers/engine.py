@@ -145,6 +145,12 @@ class MLXEngine:
         # mlx-lm is only partly typed; the generator is used through its documented methods.
         self._gen: Any = BatchGenerator(model, **self._batching)
         self.mask_free = MaskFreeDecode(mask_free)
+        self.mask_free_unavailable = self.mask_free.unavailable or (
+            "" if self.support.prefix_blocks else
+            "the model's caches are not all plain KVCache (sliding-window or recurrent layers); "
+            "their decode steps keep mlx-lm's attention mask"
+        )
+        """Why no decode step of this model can skip the mask ("" when it can)."""
         self._rid_of: dict[int, int] = {}
         self._uid_of: dict[int, int] = {}
         self._samplers: dict[SamplingSpec, Sampler | None] = {}

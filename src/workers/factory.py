@@ -48,6 +48,8 @@ class Loaded(msgspec.Struct, frozen=True):
     """Whether the engine can keep a session's caches and continue from them."""
     prefix_unavailable: str = ""
     """Why prefix blocks cannot work with this model's caches ("" when they can)."""
+    mask_free_unavailable: str = ""
+    """Why decode steps cannot skip mlx-lm's attention mask ("" when they can)."""
 
 
 def mlx_engine_factory(
@@ -82,6 +84,7 @@ def mlx_engine_factory(
             info, TokenizerCodec(tokenizer), device_memory(), dense_step=KVCache.step,
             kv_reuse=engine.reuses_kv, sessions=engine.support.sessions,
             prefix_unavailable=engine.support.reason,
+            mask_free_unavailable=engine.mask_free_unavailable,
         )
         return engine, loaded
 

@@ -98,10 +98,9 @@ class MaskFreeDecode:
 
     def __init__(self, enabled: bool = True) -> None:
         problem = check_mlx_lm() if enabled else None
-        if problem is not None:
-            log.warning("mask_free_decode_unavailable", reason=problem)
         self.enabled = enabled and problem is None
-        self.unavailable = problem
+        self.unavailable = problem or ("" if enabled else "turned off")
+        """Why mask-free decode is off ("" when on); the scheduler logs it once."""
         self._checked = False
         self._rows: tuple[int, ...] = ()
         self._caches: list[Any] = []
