@@ -106,8 +106,8 @@ for s in "${stages[@]}"; do
         timeout "${QUANT_S:-$limit}" python3 -P benchmarks/cuda_settings.py --models llama-3.1-8b --settings default \
           --quant-step --batches ${BATCHES:-1 8 64} --steps 20 --warmup-steps 5 --timeout 400 \
           --deadline "${QUANT_S:-$limit}" --out "$out/quant_step.json" ;;
-      one-stream)
-        timeout "$limit" python3 -P benchmarks/one_stream.py --model "synthetic:$m" --requests ${REQUESTS:-10} \
+      one-stream)  # graphs as "auto" sets them for these unquantized shapes, for every loop alike
+        MLX_USE_CUDA_GRAPHS=${GRAPHS:-0} timeout "$limit" python3 -P benchmarks/one_stream.py --model "synthetic:$m" --requests ${REQUESTS:-10} \
           --out "$out/one_stream-$m.json" ;;
       cluster)
         [ "$m" = qwen2.5-0.5b ] || continue
