@@ -166,11 +166,17 @@ def http_server(backend: str, model_dir: Path, n: int, worker: str, vllm_mlx: st
 
 
 async def through_scheduler(
-    model_dir: Path, specs: list[datasets.RequestSpec], n: int, worker: str
+    model_dir: Path, specs: list[datasets.RequestSpec], n: int, worker: str,
+    warm: list[datasets.RequestSpec] | None = None,
 ) -> RunResult:
+    """A timed run; `warm` first, untimed, through the same Scheduler (as a server process and
+    the bare loop keep theirs), so that its first steps are not timed."""
     config = SchedulerConfig.from_toml(our_toml(model_dir, n, worker))
     async with Scheduler(config) as sched:
-        return await run_load(SchedulerTarget(sched), specs, Load(concurrency=n), GREEDY, progress=None)
+        target = SchedulerTarget(sched)
+        if warm:
+            await run_load(target, warm, Load(concurrency=n), GREEDY, progress=None)
+        return await run_load(target, specs, Load(concurrency=n), GREEDY, progress=None)
 
 
 async def through_http(url: str, specs: list[datasets.RequestSpec], n: int) -> RunResult:
@@ -200,9 +206,7 @@ def run_backend(backend: str, model: object, tokenizer: object, model_dir: Path,
             bare(model, warm[1], n, max_tokens)
         run = bare(model, ids, n, max_tokens)
     elif name == "scheduler":
-        if warm:
-            anyio.run(through_scheduler, model_dir, warm[0], n, worker)
-        run = anyio.run(through_scheduler, model_dir, specs, n, worker)
+        run = anyio.run(through_scheduler, model_dir, specs, n, worker, warm[0] if warm else None)
     else:
         if warm:  # one request at a time: two warm it up
             sequential(model, tokenizer, warm[1][:2], n, max_tokens)
@@ -348,8 +352,10 @@ def main() -> None:
             assert all(s.prompt_tokens == args.prompt_tokens for s in specs), "prompt lengths differ"
             ids = [codec.encode(s.prompt) for s in specs]
             for backend in args.backends:
-                # Every HTTP run is a fresh server process: each gets its warm-up.
-                cold = args.warmup and (rep == 0 or backend.partition(":")[0] in HTTP_BACKENDS)
+                # Every HTTP run is a fresh server process and every scheduler run a fresh
+                # Scheduler: each gets its warm-up.
+                fresh = backend.partition(":")[0] in (*HTTP_BACKENDS, "scheduler")
+                cold = args.warmup and (rep == 0 or fresh)
                 report = run_backend(backend, model, tokenizer, model_dir, specs, ids, n, args.max_tokens,
                                      warm if cold else None, args.vllm_mlx, tmp)
                 ceiling = best["bare"]["tok_s"] if "bare" in best else None
