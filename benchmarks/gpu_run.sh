@@ -27,9 +27,8 @@
 # 150-300 s.
 #   cluster     benchmarks/cluster.py --parts b: tokens/s on 1 and on 2 Ray Serve replicas sharing
 #               the GPU (qwen2.5-0.5b only: its step is host-bound). Not a default stage; needs
-#               ray[serve] (the cluster extra) and its dependencies staged too: add them to
-#               ../shared/gpu/stage's extra requirements (Ray's wheel alone is ~70 MB, over one
-#               call's carry: split it as the CUDA half is).
+#               ray[serve] (the cluster extra) staged by benchmarks/stage_ray.sh in two halves
+#               (Ray's wheels are ~117 MB, over one call's carry): two more calls, see its header.
 #   served      benchmarks/peers.py at 1 8 64: our server over HTTP beside the in-process scheduler
 #               and mlx_lm.server, one client for all (issue 19: served >= 0.97x in-process at 64)
 #   served-8b   the same for Llama-3.1-8B's shape (benchmarks/shapes.py builds it, ~16 GB, once),
