@@ -65,7 +65,7 @@ def config(args: argparse.Namespace, memory: int | str, routing: str = "cache-aw
 
 async def model_facts(args: argparse.Namespace) -> tuple[int, int, int]:
     """(weights bytes, bytes per block, vocab size), from a scheduler in this process."""
-    async with Scheduler(config(args, "256MiB")) as s:
+    async with Scheduler(config(args, "4GiB")) as s:  # the weights of the shapes it runs, and room
         st = s.stats()
         return st.weights_bytes, st.kv_budget_bytes // st.blocks_total, s.model.info.vocab_size
 
