@@ -58,6 +58,7 @@ def real_engine_factory(c: SchedulerConfig) -> EngineFactory[Loaded]:
         step_token_budget=c.worker.step_token_budget,
         block_tokens=c.kvpool.block_tokens,
         cuda_graphs=c.worker.cuda_graphs,
+        fold_quantized=c.worker.fold_quantized,
     )
 
 

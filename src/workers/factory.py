@@ -7,14 +7,18 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import msgspec
+import structlog
 from mlx_lm.models.cache import KVCache
 
-from workers.cuda import apply_cuda_defaults
+from workers.cuda import apply_cuda_defaults, on_cuda
 from workers.engine import Engine, MLXEngine
 from workers.models import ModelInfo, load_model, model_info, resolve_model
+from workers.quantfold import fold_decode_batch
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+log = structlog.get_logger("workers")
 
 
 class TokenizerCodec:
@@ -62,6 +66,7 @@ def mlx_engine_factory(
     step_token_budget: int | str = "auto",
     block_tokens: int = 256,
     cuda_graphs: str = "auto",
+    fold_quantized: bool = True,
 ) -> Callable[[], tuple[Engine, Loaded]]:
     """A factory to call on the worker thread (MLX streams are thread-local)."""
 
@@ -70,6 +75,11 @@ def mlx_engine_factory(
         # Before the model's first GPU use: MLX reads them once.
         apply_cuda_defaults(cuda_graphs, directory)
         model, tokenizer = load_model(str(directory), cache_dir)
+        if fold_quantized and on_cuda():
+            folded = fold_decode_batch(model)
+            if folded:
+                log.info("quantized_decode_folded", layers=folded,
+                         note="[worker] fold_quantized = false turns it off")
         info = model_info(model, tokenizer, path)
         engine = MLXEngine(
             model,
