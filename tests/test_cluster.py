@@ -4,6 +4,7 @@ Ray takes ~30 s to start on 2 cores. The killed-replica and drain tests run last
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -40,6 +41,8 @@ memory = "64MiB"
 block_tokens = 16
 [worker]
 max_batch = 8
+[scheduler]
+max_queue = 8
 [cluster]
 num_cpus = 0.5
 stats_period_s = 0.2
@@ -106,6 +109,41 @@ def test_bad_input_gets_the_single_process_errors(cluster: str) -> None:
     assert httpx.get(f"{cluster}/v1/nope", timeout=30).status_code == 404
     models = httpx.get(f"{cluster}/v1/models", timeout=30).json()
     assert models["data"][0]["id"] == "synthetic:tiny"
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_by_its_length(cluster: str) -> None:
+    """The frontend bounds tokenizing as `serve` does (issue 18): refused untokenized, by length."""
+    long = "word " * 10_000  # 50,000 characters; tiny's bound is 2048 tokens x 13 characters
+    r = complete(cluster, prompt=long)
+    chat = httpx.post(f"{cluster}/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": long}]})
+    assert r.status_code == 400 and chat.status_code == 400, (r.text, chat.text)
+    assert "50000 characters, more than the model's context of 2048 tokens can hold" in r.json()["error"]["message"]
+    assert chat.json()["error"]["param"] == "messages"
+    fits = httpx.post(f"{cluster}/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "hi " * 50}], "max_tokens": 2})
+    assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 2, fits.text
+
+
+def test_full_queues_answer_429_and_nothing_else_is_lost(cluster: str) -> None:
+    """Each replica holds 8 running and 8 queued: 48 long requests at once overflow both, and
+    the overflow gets the single-process server's 429; every other request runs to its end."""
+    body = {"prompt": "once upon a time", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=cluster, timeout=120) as c:
+            return list(await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(48))))
+
+    replies = asyncio.run(main())
+    full = [r for r in replies if r.status_code == 429]
+    done = [r for r in replies if r.status_code == 200]
+    assert len(full) + len(done) == 48, [r.text for r in replies if r.status_code not in (200, 429)]
+    assert full and len(done) >= 16, (len(full), len(done))
+    error = full[0].json()["error"]
+    assert (error["code"], error["type"], full[0].headers["retry-after"]) == ("queue_full", "rate_limit_error", "1")
+    assert all(r.json()["usage"]["completion_tokens"] == 1500 for r in done)
+    stats = [r["stats"] for r in health(cluster)["replicas"]]
+    assert all(s["running"] == 0 and s["waiting"] == 0 for s in stats), stats
 
 
 def test_eight_sessions_stay_on_their_replica(cluster: str) -> None:

@@ -303,16 +303,14 @@ def test_long_prompts_tokenize_off_the_loop_on_bounded_threads() -> None:
         return [1] * (len(text) // 4)
 
     tokenizer = SimpleNamespace(get_vocab=lambda: {"abcd": 0, "e": 1})
-    sched = SimpleNamespace(model=SimpleNamespace(
-        codec=SimpleNamespace(encode=encode, tokenizer=tokenizer),
-        info=SimpleNamespace(context_length=4096)))
+    model = SimpleNamespace(encode=encode, tokenizer=tokenizer, context_length=4096)
     tokens = Tokenizing(threads=2)
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             for _ in range(6):
-                tg.start_soon(tokens.encode, sched, "x" * (INLINE_CHARS + 1))  # type: ignore[arg-type]
+                tg.start_soon(tokens.encode, model, "x" * (INLINE_CHARS + 1))  # type: ignore[arg-type]
 
     anyio.run(main)
     assert seen["peak"] == 2 and seen["on_loop"] == 0, seen
-    assert tokens.max_chars(sched) == 4096 * 4  # type: ignore[arg-type]
+    assert tokens.max_chars(model) == 4096 * 4  # type: ignore[arg-type]

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, cast
 import anyio
 import msgspec
 import structlog
-from jinja2 import TemplateError
 from starlette.responses import Response
 
 from scheduler import errors
@@ -23,8 +22,9 @@ from scheduler.http import requests as rq
 from scheduler.http import responses as rs
 from scheduler.http.app import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS, PROMETHEUS
 from scheduler.http.bodies import read_body
-from scheduler.http.errors import ApiError, from_scheduler, internal, invalid, json_response, not_found
+from scheduler.http.errors import ApiError, from_scheduler, internal, json_response, not_found
 from scheduler.http.errors import shutting_down as closing_error
+from scheduler.http.prompts import Tokenizing, chat_ids
 from scheduler.http.sse import EventStream
 from scheduler.kvplan import prompt_keys
 from scheduler.types import Chunk
@@ -132,6 +132,10 @@ class Frontend:
         self._body_timeout_s = config.server.body_timeout_s
         self._context = self._block_tokens = 0
         self._codec: Any = None
+        self._prompts: FrontendPrompts | None = None
+        # The single-process server's bounded tokenizing: refused by length first, long texts
+        # and chat templates on a few threads, off this event loop.
+        self._tokens = Tokenizing(config.server.tokenize_threads)
         # Up at once, answering 503 until the tokenizer and a replica are ready: no refused or
         # hanging connections while the replicas load the model.
         self._ready = asyncio.get_running_loop().create_task(self._start(config, model_name))
@@ -147,6 +151,7 @@ class Frontend:
         info = await self._backend.info.remote()
         self._context = int(info["context_length"])
         self._block_tokens = int(info["block_tokens"])
+        self._prompts = FrontendPrompts(self._codec, self._context)
         self._model_name = model_name or str(info["name"])
 
     async def ready(self) -> bool:
@@ -204,7 +209,8 @@ class Frontend:
         req = rq.decode(await read_body(request, self._body_timeout_s), rq.CompletionRequest)
         rq.check_completion(req)
         prompt = rq.completion_prompt(req)
-        ids = self._codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        assert self._prompts is not None  # __call__ waited for _start
+        ids = await self._tokens.encode(self._prompts, prompt) if isinstance(prompt, str) else list(prompt)
         params = rq.sampling(req, req.max_tokens, DEFAULT_MAX_TOKENS)
         render = rs.CompletionEvents(self._head(rid), _usage(req))
         return await self._run(rid, Job(ids, params, req.priority, rq.tenant(req), req.session,
@@ -214,12 +220,8 @@ class Frontend:
     async def _chat(self, request: Request, rid: str) -> Response:
         req = rq.decode(await read_body(request, self._body_timeout_s), rq.ChatRequest)
         rq.check_chat(req)
-        messages = rq.chat_messages(req)
-        try:
-            raw = self._codec.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except (TemplateError, ValueError, TypeError) as exc:
-            raise invalid(f"messages: the model's chat template rejected them: {exc}", "messages") from None
-        ids = [int(t) for t in raw]
+        assert self._prompts is not None  # __call__ waited for _start
+        ids = await chat_ids(self._tokens, self._prompts, rq.chat_messages(req))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         room = self._context - len(ids)
         default = min(DEFAULT_CHAT_MAX_TOKENS, room) if room > 0 else DEFAULT_CHAT_MAX_TOKENS
@@ -301,6 +303,19 @@ class Frontend:
     async def _metrics(self, request: Request, rid: str) -> Response:
         texts = [t for t in await self._fan_out("prometheus") if isinstance(t, str)]
         return Response(merge(texts), media_type=PROMETHEUS)
+
+
+class FrontendPrompts:
+    """The frontend's own tokenizer as a `PromptModel` (the replicas hold the model)."""
+
+    def __init__(self, codec: Any, context_length: int) -> None:
+        self.tokenizer = codec.tokenizer
+        self.context_length = context_length
+        self.encode = codec.encode
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        raw = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return [int(t) for t in raw]
 
 
 def _usage(req: rq.CompletionRequest | rq.ChatRequest) -> bool:

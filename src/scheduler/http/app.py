@@ -12,14 +12,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
-from jinja2 import TemplateError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.routing import Route
 
 from scheduler.api import Scheduler
-from scheduler.errors import InvalidRequest, SchedulerError
+from scheduler.errors import SchedulerError
 from scheduler.http import requests as rq
 from scheduler.http import responses as rs
 from scheduler.http.bodies import read_body
@@ -27,12 +26,11 @@ from scheduler.http.errors import (
     ApiError,
     from_scheduler,
     internal,
-    invalid,
     json_response,
     not_found,
     shutting_down,
 )
-from scheduler.http.prompts import Tokenizing
+from scheduler.http.prompts import SchedulerPrompts, Tokenizing, chat_ids
 from scheduler.http.shutdown import Gate
 from scheduler.http.sse import ClientGone, EventStream, unless_disconnected
 from scheduler.validation import check_arguments
@@ -166,7 +164,7 @@ class _OpenAI:
         prompt = rq.completion_prompt(req)
         if isinstance(prompt, str):  # generate()'s checks first, then bounded tokenizing
             check_arguments(prompt, params, req.priority, rq.tenant(req), None, sched.model.info.vocab_size)
-            prompt = await self.tokens.encode(sched, prompt)
+            prompt = await self.tokens.encode(SchedulerPrompts(sched), prompt)
         stream = sched.generate(prompt, params, priority=req.priority,
                                 tenant=rq.tenant(req), session=req.session)
         if req.stream:
@@ -178,7 +176,7 @@ class _OpenAI:
         req = rq.decode(await read_body(request, self._limits.body_timeout_s), rq.ChatRequest)
         rq.check_chat(req)
         sched, head = self.sched, rs.Head(rid, int(time.time()), self.model_name)
-        ids = await _chat_ids(self.tokens, sched, rq.chat_messages(req))
+        ids = await chat_ids(self.tokens, SchedulerPrompts(sched), rq.chat_messages(req))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         room = sched.model.info.context_length - len(ids)
         default = min(DEFAULT_CHAT_MAX_TOKENS, room) if room > 0 else DEFAULT_CHAT_MAX_TOKENS
@@ -216,15 +214,6 @@ def _where(exc: BaseException, depth: int = 8) -> str:
     the frames' locals, either of which can hold the request's text."""
     frames = traceback.extract_tb(exc.__traceback__)[-depth:]
     return " <- ".join(f"{f.name} ({Path(f.filename).name}:{f.lineno})" for f in reversed(frames))
-
-
-async def _chat_ids(tokens: Tokenizing, sched: Scheduler, messages: list[dict[str, str]]) -> list[int]:
-    try:
-        return await tokens.chat(sched, messages)
-    except (InvalidRequest, ApiError):
-        raise
-    except (TemplateError, ValueError, TypeError) as exc:  # templates raise on roles they refuse
-        raise invalid(f"messages: the model's chat template rejected them: {exc}", "messages") from None
 
 
 async def _event_stream(
