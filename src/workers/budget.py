@@ -8,7 +8,13 @@ MLX: the engine tells it what it inserts and applies its plan before each step.
 
 from __future__ import annotations
 
-AUTO_INITIAL_TOKENS = 256
+AUTO_MIN_TOKENS = 512
+"""The auto budget's floor. Measured on the 2-core CPU machine at 32 streams (prompt 128, 64
+tokens): without it, the fed-batch budget (~80 tokens a step there) kept only 0.85-0.91x of the
+unbounded throughput on the tiny, small and compute-bound h512 models, under the stall-free
+feature's own bar of 0.95x; with 512 a step it kept 0.98-1.04x while ITL p99 stayed 1.7-1.9x
+below the unbounded one's (README, "Stall-free admission")."""
+AUTO_INITIAL_TOKENS = AUTO_MIN_TOKENS
 """The auto budget before any prompt was seen."""
 EMA = 0.2
 DEMAND_HEADROOM = 1.25
@@ -21,11 +27,12 @@ pieces make prefill less efficient."""
 
 class PrefillBudget:
     """`limit`: a fixed number of tokens, 0 (off: the generator's own `prefill_step` chunks), or
-    "auto": just what keeps the batch fed, spread evenly over steps. A full batch of `max_batch`
-    sequences of about `output_tokens` each frees a slot every `output_tokens / max_batch` steps;
-    replacing it takes `prompt_tokens` of prefill (with headroom). Free slots with prompts waiting
-    are filled within `FILL_STEPS` steps. Measured step times are not used: with MLX's pipelined
-    decoding, one step's wall time says little about its own work (notably on GPUs)."""
+    "auto": what keeps the batch fed, spread evenly over steps, and at least `AUTO_MIN_TOKENS`. A
+    full batch of `max_batch` sequences of about `output_tokens` each frees a slot every
+    `output_tokens / max_batch` steps; replacing it takes `prompt_tokens` of prefill (with
+    headroom). Free slots with prompts waiting are filled within `FILL_STEPS` steps. Measured
+    step times are not used: with MLX's pipelined decoding, one step's wall time says little
+    about its own work (notably on GPUs)."""
 
     def __init__(
         self, limit: int | str, *, max_chunk: int, max_prompts: int, max_batch: int = 64
@@ -56,7 +63,7 @@ class PrefillBudget:
             return AUTO_INITIAL_TOKENS
         demand = DEMAND_HEADROOM * self.prompt_tokens * self._max_batch / self.output_tokens
         backlog = min(room, waiting) * self.prompt_tokens / FILL_STEPS
-        return max(MIN_CHUNK, int(demand + backlog))
+        return max(AUTO_MIN_TOKENS, int(demand + backlog))
 
     def plan(self, *, decoding: int, in_prefill: int, waiting: int, room: int) -> tuple[int, int]:
         """(chunk tokens per prompt, cap on prompts prefilling at once) for the next step.
