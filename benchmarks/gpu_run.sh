@@ -29,8 +29,9 @@
 #               the GPU (qwen2.5-0.5b only: its step is host-bound). Not a default stage; needs
 #               ray[serve] (the cluster extra) staged by benchmarks/stage_ray.sh in two halves
 #               (Ray's wheels are ~117 MB, over one call's carry): two more calls, see its header.
-#   served      benchmarks/peers.py at 1 8 64: our server over HTTP beside the in-process scheduler
-#               and mlx_lm.server, one client for all (issue 19: served >= 0.97x in-process at 64)
+#   served      benchmarks/peers.py at 1 8 64: our server over HTTP (the scheduler in its process,
+#               and in a child: served-process) beside the in-process scheduler and mlx_lm.server,
+#               one client for all (issue 19: served >= 0.97x in-process at 64)
 #   served-8b   the same for Llama-3.1-8B's shape (benchmarks/shapes.py builds it, ~16 GB, once),
 #               served and mlx_lm.server only (not a default stage; run once, not per model)
 # Writes JSON and a log under $OUT (or benchmarks/results/gpu).
@@ -70,7 +71,8 @@ for s in "${stages[@]}"; do
           --backends bare scheduler mlx_lm.server --out "$out/peers-high-$m.json" ;;
       served)
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency ${SERVED_CONC:-1 8 64} \
-          --warmup 1 --backends scheduler served mlx_lm.server --out "$out/served-$m.json" ;;
+          --warmup 1 --repeat ${REPEAT:-1} --backends ${SERVED_BACKENDS:-scheduler served served-process mlx_lm.server} \
+          --out "$out/served-$m.json" ;;
       served-8b)
         [ "$m" = "${models[0]}" ] || continue
         dir=$(timeout "$limit" python3 -P benchmarks/shapes.py llama-3.1-8b | tail -1) && \

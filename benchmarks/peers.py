@@ -2,7 +2,7 @@
 
 (a) `bare`: a `BatchGenerator` tight loop (the ceiling), (b) `scheduler`: our `Scheduler`
 in-process (the embedding API, no HTTP), (c) `served`: `mlx-scheduler serve` in a process of its
-own, (d) `mlx_lm.server` and (e) `vllm-mlx` (with --vllm-mlx, the `vllm-mlx` executable of a
+own (`served-process`: with `--engine-process`, the scheduler in a child of the HTTP process), (d) `mlx_lm.server` and (e) `vllm-mlx` (with --vllm-mlx, the `vllm-mlx` executable of a
 separate venv), each started here on 127.0.0.1 and driven over HTTP by one and the same streaming
 client, (f) `sequential`: `mlx_lm.stream_generate`, one request at a time (FIFO). (c) runs with
 the same [worker]/[kvpool] settings as (b), so `served / scheduler` is what HTTP costs.
@@ -39,9 +39,11 @@ from scheduler.bench.runner import Load, RunResult, run_load
 from scheduler.bench.targets import OpenAITarget, Record, Sampling, SchedulerTarget
 from workers.models import load_model, resolve_model
 
-BACKENDS = ("bare", "scheduler", "served", "mlx_lm.server", "vllm-mlx", "sequential")
+BACKENDS = ("bare", "scheduler", "served", "served-process", "mlx_lm.server", "vllm-mlx", "sequential")
 DEFAULT_BACKENDS = ("bare", "scheduler", "served", "mlx_lm.server", "sequential")
-HTTP_BACKENDS = ("served", "mlx_lm.server", "vllm-mlx")
+HTTP_BACKENDS = ("served", "served-process", "mlx_lm.server", "vllm-mlx")
+SERVED = ("served", "served-process")
+"""Ours over HTTP: the scheduler in the server's process, or in a child (`--engine-process`)."""
 GREEDY = Sampling(temperature=0.0, ignore_eos=True)
 
 
@@ -141,10 +143,11 @@ KV_MEMORY = os.environ.get("PEERS_KV_MEMORY", "8GiB")
 """Our `[kvpool] memory` (weights included): 8GiB, unless the environment says otherwise."""
 
 
-def our_toml(model_dir: Path, n: int, worker: str) -> str:
+def our_toml(model_dir: Path, n: int, worker: str, engine_process: bool = False) -> str:
     """Our settings, the same in-process and served: defaults plus the batch sizes of the peers."""
     return (f'[model]\npath = "{model_dir}"\n[worker]\nmax_batch = {n}\nprefill_batch = 8\n{worker}\n'
-            f'[kvpool]\nmemory = "{KV_MEMORY}"\n[logging]\nlevel = "warning"\n')
+            f'[kvpool]\nmemory = "{KV_MEMORY}"\n[logging]\nlevel = "warning"\n'
+            f'[server]\nengine_process = {str(engine_process).lower()}\n')
 
 
 def http_server(backend: str, model_dir: Path, n: int, worker: str, vllm_mlx: str | None,
@@ -152,12 +155,12 @@ def http_server(backend: str, model_dir: Path, n: int, worker: str, vllm_mlx: st
     """The server process of an HTTP backend, not started yet."""
     if backend == "mlx_lm.server":
         return MlxLmServer(model_dir, decode_concurrency=n, prompt_concurrency=8)
-    if backend == "served":
-        toml = tmp / f"served-{n}.toml"
-        toml.write_text(our_toml(model_dir, n, worker))
+    if backend in SERVED:
+        toml = tmp / f"{backend}-{n}.toml"
+        toml.write_text(our_toml(model_dir, n, worker, engine_process=backend == "served-process"))
         cmd = [sys.executable, "-m", "scheduler.cli", "serve", "--config", str(toml),
                "--host", "127.0.0.1", "--port", "{port}"]
-        return MlxLmServer(model_dir, command=cmd, log_path=tmp / f"served-{n}.log", start_timeout_s=300)
+        return MlxLmServer(model_dir, command=cmd, log_path=tmp / f"{backend}-{n}.log", start_timeout_s=300)
     assert backend == "vllm-mlx" and vllm_mlx is not None
     cmd = [vllm_mlx, "serve", str(model_dir), "--host", "127.0.0.1", "--port", "{port}",
            "--continuous-batching", "--max-num-seqs", str(n), "--completion-batch-size", str(n),
@@ -179,12 +182,14 @@ async def through_scheduler(
         return await run_load(target, specs, Load(concurrency=n), GREEDY, progress=None)
 
 
-async def through_http(url: str, specs: list[datasets.RequestSpec], n: int) -> RunResult:
+async def through_http(url: str, specs: list[datasets.RequestSpec], n: int,
+                       model: str | None = None) -> RunResult:
+    """`model`: the request's "model" field, for servers that require it (vllm-mlx)."""
     import httpx
 
     limits = httpx.Limits(max_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600, connect=10), trust_env=False) as c:
-        return await run_load(OpenAITarget(c, url), specs, Load(concurrency=n), GREEDY, progress=None)
+        return await run_load(OpenAITarget(c, url, model=model), specs, Load(concurrency=n), GREEDY, progress=None)
 
 
 def run_backend(backend: str, model: object, tokenizer: object, model_dir: Path,
@@ -198,9 +203,10 @@ def run_backend(backend: str, model: object, tokenizer: object, model_dir: Path,
     worker = "\n".join(kv.replace("=", " = ") for kv in keys.split(",") if kv)
     if name in HTTP_BACKENDS:
         with http_server(name, model_dir, n, worker, vllm_mlx, tmp) as server:
+            model_field = str(model_dir) if name == "vllm-mlx" else None
             if warm:
-                anyio.run(through_http, server.url, warm[0], n)
-            run = anyio.run(through_http, server.url, specs, n)
+                anyio.run(through_http, server.url, warm[0], n, model_field)
+            run = anyio.run(through_http, server.url, specs, n, model_field)
     elif backend == "bare":
         if warm:
             bare(model, warm[1], n, max_tokens)
@@ -245,13 +251,13 @@ def ratios_of(ours: dict[str, object], rows: list[dict[str, object]]) -> dict[st
     """For our rows: throughput against the in-process scheduler (served rows only) and against
     each HTTP peer, and p99 TTFT against mlx_lm.server's (lower is better)."""
     name = str(ours["backend"]).partition(":")[0]
-    if name not in ("scheduler", "served"):
+    if name not in ("scheduler", *SERVED):
         return {}
     same = {str(r["backend"]): r for r in rows if r["concurrency"] == ours["concurrency"]}
     out: dict[str, float] = {}
     tok = float(ours["tok_s"])  # type: ignore[arg-type]
-    inproc = same.get(str(ours["backend"]).replace("served", "scheduler", 1))
-    if name == "served" and inproc is not None and float(inproc["tok_s"]) > 0:  # type: ignore[arg-type]
+    inproc = same.get("scheduler" + str(ours["backend"])[len(name):])
+    if name in SERVED and inproc is not None and float(inproc["tok_s"]) > 0:  # type: ignore[arg-type]
         out["tok/s / in-process"] = tok / float(inproc["tok_s"])  # type: ignore[arg-type]
     for peer in ("mlx_lm.server", "vllm-mlx"):
         other = same.get(peer)

@@ -15,7 +15,7 @@ from kvpool.pool import Pool
 from metrics.logging import configure_logging
 from metrics.prometheus import SchedulerMetrics
 from scheduler.admission import Admission
-from scheduler.chunks import ChunkReceiver, chunk_channel
+from scheduler.chunks import ChunkOut, ChunkReceiver, chunk_channel
 from scheduler.config import SchedulerConfig
 from scheduler.errors import (
     ConfigError,
@@ -29,7 +29,7 @@ from scheduler.messages import Cancel, Close, DropSession, Submit, SubmitEnvelop
 from scheduler.policies import make_policy
 from scheduler.stream import RequestStream
 from scheduler.types import Chunk, Completion, SchedulerStats
-from scheduler.validation import check_arguments, check_length, check_session
+from scheduler.validation import chat_template_ids, check_arguments, check_length, check_session
 from workers.factory import Loaded, mlx_engine_factory
 from workers.worker import EngineFactory, GPUWorker, WorkerStartError
 
@@ -336,14 +336,7 @@ class Scheduler:
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of `messages` under the model's chat template, ready for `generate`."""
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in messages
-        ) or not messages:
-            raise InvalidRequest("messages must be a non-empty list of {'role': str, 'content': str}")
-        tokenizer = self.model.codec.tokenizer
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return [int(t) for t in ids]
+        return chat_template_ids(self.model.codec.tokenizer, messages)
 
     # ---- internals used by RequestStream --------------------------------------------------------
     def _check_running(self) -> None:
@@ -366,20 +359,46 @@ class Scheduler:
                 raise InvalidRequest("prompt encodes to no tokens")
         else:
             tokens = list(prompt)
+        out_send, out_recv = chunk_channel()  # the actor sends at most max_tokens + 2 chunks
+        try:
+            rid = await self.submit_tokens(tokens, params, out_send, priority=priority, tenant=tenant,
+                                           timeout=timeout, session=session, stream=stream,
+                                           submitted_at=submitted_at)
+        except SchedulerError:
+            out_recv.close()
+            raise
+        return rid, out_recv
+
+    async def submit_tokens(
+        self, tokens: list[int], params: SamplingParams, out: ChunkOut, *, priority: int = 0,
+        tenant: str = "default", timeout: float | None = None, session: str | None = None,
+        stream: bool = True, submitted_at: float | None = None,
+    ) -> int:
+        """Submit checked arguments (`check_arguments`) and a tokenized prompt, with `out` taking
+        the request's chunks as the admission actor sends them (at most max_tokens + 2, the last
+        one with a finish_reason, then `close()`); return the request's id for `cancel`. Raises
+        the refusal (`InvalidRequest`, `QueueFull`, `SchedulerClosed`). The low-level path under
+        `generate`, for a caller that forwards chunks without a task per request (the engine
+        process of `serve --engine-process`)."""
+        if submitted_at is None:
+            submitted_at = time.perf_counter()
         check_length(len(tokens), params.max_tokens, self.model.info.context_length)
         self._check_running()
         assert self._admission is not None
-        out_send, out_recv = chunk_channel()  # the actor sends at most max_tokens + 2 chunks
         reply_send, reply_recv = anyio.create_memory_object_stream[int | SchedulerError](1)
         msg = Submit(tokens, params, priority, tenant, timeout, submitted_at, session, stream)
-        self._admission.send.send_nowait(SubmitEnvelope(msg, reply_send, out_send))
+        self._admission.send.send_nowait(SubmitEnvelope(msg, reply_send, out))
         with reply_recv, anyio.CancelScope(shield=True):
             # Shielded: once submitted, we must learn the id to be able to cancel it.
             result = await reply_recv.receive()
         if isinstance(result, SchedulerError):
-            out_recv.close()
             raise result
-        return result, out_recv
+        return result
+
+    def cancel(self, request_id: int) -> None:
+        """Cancel a request of `submit_tokens` (its out gets a "cancelled" chunk within a step, unless
+        it has ended already)."""
+        self._cancel(request_id)
 
     def _cancel(self, rid: int) -> None:
         admission = self._admission

@@ -9,7 +9,7 @@ sender never blocks, so the actor bounds what it sends (`max_tokens + 2` chunks 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
@@ -17,8 +17,18 @@ if TYPE_CHECKING:
     from scheduler.types import Chunk
 
 
+class ChunkOut(Protocol):
+    """Where the admission actor sends one request's chunks: a `ChunkSender`, or the engine
+    process's frame sink (`scheduler.remote.child`). `send_nowait` never blocks; it raises
+    `anyio.BrokenResourceError` once the receiver has gone."""
+
+    def send_nowait(self, chunk: Chunk) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class _State:
-    __slots__ = ("buffer", "closed", "gone", "waiter")
+    __slots__ = ("buffer", "closed", "error", "gone", "waiter")
 
     def __init__(self) -> None:
         self.buffer: deque[Chunk] = deque()
@@ -27,6 +37,8 @@ class _State:
         """The sender closed: the receiver gets what is buffered, then EndOfStream."""
         self.gone = False
         """The receiver closed: sending raises BrokenResourceError."""
+        self.error: Exception | None = None
+        """Raised to the receiver after what is buffered, instead of EndOfStream (`fail`)."""
 
     def wake(self) -> None:
         waiter, self.waiter = self.waiter, None
@@ -55,6 +67,12 @@ class ChunkSender:
         self._s.closed = True
         self._s.wake()
 
+    def fail(self, error: Exception) -> None:
+        """Close, so that the receiver's next wait raises `error` once the buffer is empty (the
+        engine process's refusals, `scheduler.remote`)."""
+        self._s.error = error
+        self.close()
+
 
 class ChunkReceiver:
     """The caller's end (the subset of MemoryObjectReceiveStream it uses)."""
@@ -70,6 +88,8 @@ class ChunkReceiver:
             if s.gone:
                 raise anyio.ClosedResourceError
             if s.closed:
+                if s.error is not None:
+                    raise s.error
                 raise anyio.EndOfStream
             s.waiter = waiter = anyio.Event()
             await waiter.wait()

@@ -138,6 +138,10 @@ class ServerSection(_Section):
     """Long prompts and chat templates run on at most this many threads at once, off the loop."""
     shutdown_timeout_s: NonNegativeFloat = 10.0
     """On SIGINT/SIGTERM, seconds in-flight requests get to finish (`--shutdown-timeout`)."""
+    engine_process: bool = False
+    """Run the scheduler in a child process and keep HTTP, SSE and tokenizing in this one
+    (`--engine-process`): the event loop's per-token work then no longer shares the GIL with the
+    worker thread that builds each step (`scheduler.remote`; the README's "Served" says when it pays)."""
 
 
 class ClusterSection(_Section):

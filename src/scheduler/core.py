@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from kvpool.messages import PoolBatch, PoolReplies
     from metrics.observer import Observer
-    from scheduler.chunks import ChunkSender
+    from scheduler.chunks import ChunkOut
     from scheduler.detokenize import Codec
     from scheduler.kvplan import KVPlan
     from scheduler.messages import Submit
@@ -106,7 +106,7 @@ class AdmissionCore:
         return until
 
     # ---- inputs ------------------------------------------------------------------------------
-    def submit(self, msg: Submit, out: ChunkSender, now: float) -> int | SchedulerError:
+    def submit(self, msg: Submit, out: ChunkOut, now: float) -> int | SchedulerError:
         """Queue a request: its id, or the error to raise in the caller (nothing is kept)."""
         plan = self._plan
         need = plan.alone(len(msg.prompt) + msg.params.max_tokens)
@@ -434,6 +434,6 @@ class AdmissionCore:
         self._deadlines.clear()
         self._ended_all = True
 
-    def outs(self) -> list[ChunkSender]:
+    def outs(self) -> list[ChunkOut]:
         """Every live request's stream (closed by the actor if it stops abnormally)."""
         return [live.out for live in self._live.values()]

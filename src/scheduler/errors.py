@@ -25,3 +25,12 @@ class ConfigError(SchedulerError, ValueError):
 
 class ModelLoadError(SchedulerError):
     """The model could not be loaded or the engine could not start; the cause is chained."""
+
+
+def by_name(kind: str, message: str) -> SchedulerError:
+    """The error of class `kind` (a name above) with `message`, as it crossed a process boundary;
+    a name we do not know gives the base class."""
+    cls = globals().get(kind)
+    if isinstance(cls, type) and issubclass(cls, SchedulerError):
+        return cls(message)
+    return SchedulerError(message)

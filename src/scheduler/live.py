@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler.chunks import ChunkSender
+    from scheduler.chunks import ChunkOut
     from scheduler.detokenize import TextStream
     from scheduler.messages import Submit
     from scheduler.policy import QueueItem
@@ -42,7 +42,7 @@ class Live:
 
     item: QueueItem
     submit: Submit
-    out: ChunkSender
+    out: ChunkOut
     text: TextStream
     state: State = State.WAITING
     sent_final: bool = False

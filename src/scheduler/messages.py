@@ -9,7 +9,7 @@ import msgspec
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream
 
-    from scheduler.chunks import ChunkSender
+    from scheduler.chunks import ChunkOut
     from scheduler.errors import SchedulerError
     from scheduler.params import SamplingParams
 
@@ -46,7 +46,7 @@ class SubmitEnvelope(NamedTuple):
     msg: Submit
     reply: MemoryObjectSendStream[int | SchedulerError]
     """The request id, or the error to raise in the caller."""
-    out: ChunkSender
+    out: ChunkOut
     """The request's chunks; sized so that sending never blocks."""
 
 

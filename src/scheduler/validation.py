@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from scheduler.errors import InvalidRequest
 from scheduler.params import SamplingParams
@@ -81,3 +82,14 @@ def check_length(prompt_tokens: int, max_tokens: int, context_length: int) -> No
             f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
             f"model's context of {context}; lower max_tokens"
         )
+
+
+def chat_template_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` under `tokenizer`'s chat template, ready for `generate`."""
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in messages
+    ) or not messages:
+        raise InvalidRequest("messages must be a non-empty list of {'role': str, 'content': str}")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return [int(t) for t in ids]

@@ -28,6 +28,7 @@ from scheduler.http.prompts import Tokenizing, chat_ids
 from scheduler.http.sse import EventStream
 from scheduler.kvplan import prompt_keys
 from scheduler.types import Chunk
+from scheduler.validation import chat_template_ids
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -97,7 +98,7 @@ class RemoteStream:
             return Chunk(REPLICA_FAILED, "", [], "error", error=f"replica {self.replica} failed: {exc!r}")
         if item[0] == "error":
             self._ended = True
-            raise _scheduler_error(item[1], item[2])
+            raise errors.by_name(item[1], item[2])
         chunk: Chunk = item[1]
         if chunk.finish_reason is not None:
             self._ended = True
@@ -111,13 +112,6 @@ class ClusterEventStream(EventStream):
         if chunk.request_id == REPLICA_FAILED:
             return replica_failed(self.headers.get(REPLICA_HEADER, "unknown")).event()
         return super()._failure(chunk)
-
-
-def _scheduler_error(kind: str, message: str) -> errors.SchedulerError:
-    cls = getattr(errors, kind, None)
-    if isinstance(cls, type) and issubclass(cls, errors.SchedulerError):
-        return cls(message)
-    return errors.SchedulerError(message)
 
 
 class Frontend:
@@ -314,8 +308,7 @@ class FrontendPrompts:
         self.encode = codec.encode
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        raw = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return [int(t) for t in raw]
+        return chat_template_ids(self.tokenizer, messages)
 
 
 def _usage(req: rq.CompletionRequest | rq.ChatRequest) -> bool:

@@ -27,12 +27,12 @@ from scheduler.http.errors import (
     from_scheduler,
     internal,
     json_response,
-    not_found,
     shutting_down,
 )
 from scheduler.http.prompts import SchedulerPrompts, Tokenizing, chat_ids
 from scheduler.http.shutdown import Gate
 from scheduler.http.sse import ClientGone, EventStream, unless_disconnected
+from scheduler.remote.client import EngineProcess
 from scheduler.validation import check_arguments
 
 if TYPE_CHECKING:
@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from scheduler.types import Chunk, SchedulerStats
 
     Handler = Callable[[Request, str], Awaitable[Response]]
+
+Engine = Scheduler | EngineProcess
+"""What the app serves: a scheduler in this process, or one in a process of its own."""
 
 log = structlog.get_logger("scheduler.http")
 
@@ -98,7 +101,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 class _OpenAI:
     """The endpoints. Owns the scheduler reference and whether the server is shutting down."""
 
-    def __init__(self, scheduler: Scheduler | None, model_name: str | None, limits: ServerSection) -> None:
+    def __init__(self, scheduler: Engine | None, model_name: str | None, limits: ServerSection) -> None:
         self._scheduler = scheduler
         self._model_name = model_name
         self._created = int(time.time())
@@ -110,7 +113,8 @@ class _OpenAI:
     def lifespan(self, config: SchedulerConfig) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
         @asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
-            async with Scheduler(config) as sched:
+            engine = EngineProcess(config) if config.server.engine_process else Scheduler(config)
+            async with engine as sched:
                 self._scheduler = self.gate.scheduler = sched
                 try:
                     yield
@@ -120,7 +124,7 @@ class _OpenAI:
         return lifespan
 
     @property
-    def sched(self) -> Scheduler:
+    def sched(self) -> Engine:
         if self._scheduler is None or self.gate.closing:
             raise shutting_down()
         return self._scheduler
@@ -195,14 +199,13 @@ class _OpenAI:
 
     async def health(self, request: Request, rid: str) -> Response:
         sched = self.sched
-        return json_response(Health("ok", self.model_name, sched.stats()))
+        stats = await sched.fetch_stats() if isinstance(sched, EngineProcess) else sched.stats()
+        return json_response(Health("ok", self.model_name, stats))
 
     async def metrics(self, request: Request, rid: str) -> Response:
-        text_of: Callable[[], str] | None = getattr(self.sched, "metrics_text", None)
-        if text_of is None:
-            raise not_found("GET /metrics: this build has no Prometheus exposition yet "
-                            "(Scheduler.metrics_text is missing)")
-        return Response(text_of(), media_type=PROMETHEUS)
+        sched = self.sched
+        text = await sched.fetch_metrics() if isinstance(sched, EngineProcess) else sched.metrics_text()
+        return Response(text, media_type=PROMETHEUS)
 
 
 def _usage(req: rq.CompletionRequest | rq.ChatRequest) -> bool:

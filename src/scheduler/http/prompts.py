@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from scheduler.api import Scheduler
+    from scheduler.remote.client import EngineProcess
 
 log = structlog.get_logger("scheduler.http")
 
@@ -50,9 +51,9 @@ class PromptModel(Protocol):
 
 
 class SchedulerPrompts:
-    """A `Scheduler`'s model as a `PromptModel`."""
+    """A `Scheduler`'s model (or an `EngineProcess`'s) as a `PromptModel`."""
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: Scheduler | EngineProcess) -> None:
         self.tokenizer = sched.model.codec.tokenizer
         self.context_length = sched.model.info.context_length
         self.encode = sched.model.codec.encode

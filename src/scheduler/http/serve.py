@@ -43,6 +43,8 @@ def add_serve_command(
     p.add_argument("--shutdown-timeout", type=seconds, default=None, metavar="S",
                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish; then each "
                         "gets a 503 or an error event (default: [server] shutdown_timeout_s, 10)")
+    p.add_argument("--engine-process", action="store_true", default=None,
+                   help="run the scheduler in a child process, HTTP in this one ([server] engine_process)")
     p.add_argument("--replicas", type=positive_int, metavar="N",
                    help="N scheduler replicas on Ray Serve behind this port (needs the [cluster] extra; "
                    "default: [cluster] replicas, 1: this process)")
@@ -69,6 +71,9 @@ def serve(args: argparse.Namespace, config: SchedulerConfig) -> None:
                  grace_s=grace)
         config = msgspec.structs.replace(
             config, scheduler=msgspec.structs.replace(config.scheduler, shutdown="abort"))
+    if getattr(args, "engine_process", None):
+        config = msgspec.structs.replace(
+            config, server=msgspec.structs.replace(config.server, engine_process=True))
     app = create_app(config, model_name=args.model_name)
     if args.trio:
         anyio.run(_hypercorn, app, args, config.server, grace, backend="trio")

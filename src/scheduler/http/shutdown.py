@@ -16,6 +16,7 @@ import structlog
 
 if TYPE_CHECKING:
     from scheduler.api import Scheduler
+    from scheduler.remote.client import EngineProcess
 
 log = structlog.get_logger("scheduler.http")
 
@@ -25,7 +26,7 @@ class Gate:
 
     def __init__(self) -> None:
         self.closing = False
-        self.scheduler: Scheduler | None = None
+        self.scheduler: Scheduler | EngineProcess | None = None
         self._expired: anyio.Event | None = None
 
     def begin(self) -> None:
