@@ -132,6 +132,7 @@ def test_cli_serve_engine_process_streams_and_stops_with_its_child(model_cache: 
     assert parts[-1].choices[0].finish_reason == "length"
     assert health["stats"]["finished"] == 1
     assert "engine_process_started" in log and "Traceback" not in log, log
+    assert "engine_process_experimental" in log  # said once, at start
     plain = re.sub(r"\x1b\[[0-9;]*m", "", log)  # the console renderer's colours
     pid = int(re.findall(r"engine_process_started\s+pid=(\d+)", plain)[0])
     with pytest.raises(ProcessLookupError):  # the child exited with the server

@@ -254,7 +254,7 @@ class Scheduler:
         params = check_arguments(prompt, params, priority, tenant, timeout, self.model.info.vocab_size)
         check_session(session)
         return RequestStream(
-            self._submit, self._cancel, prompt, params, priority, tenant, timeout, session
+            self._submit, self.cancel, prompt, params, priority, tenant, timeout, session
         )
 
     async def complete(
@@ -277,7 +277,7 @@ class Scheduler:
         # Not streamed: one chunk at the end, so this task is not woken once per step.
         submit = functools.partial(self._submit, stream=False)
         async with RequestStream(
-            submit, self._cancel, prompt, params, priority, tenant, timeout, session
+            submit, self.cancel, prompt, params, priority, tenant, timeout, session
         ) as stream:
             async for chunk in stream:
                 text.append(chunk.text)
@@ -374,12 +374,9 @@ class Scheduler:
         tenant: str = "default", timeout: float | None = None, session: str | None = None,
         stream: bool = True, submitted_at: float | None = None,
     ) -> int:
-        """Submit checked arguments (`check_arguments`) and a tokenized prompt, with `out` taking
-        the request's chunks as the admission actor sends them (at most max_tokens + 2, the last
-        one with a finish_reason, then `close()`); return the request's id for `cancel`. Raises
-        the refusal (`InvalidRequest`, `QueueFull`, `SchedulerClosed`). The low-level path under
-        `generate`, for a caller that forwards chunks without a task per request (the engine
-        process of `serve --engine-process`)."""
+        """`generate`'s low-level path: checked arguments and prompt tokens in, the request's id
+        (for `cancel`) out, or its refusal raised; `out` takes the chunks as the admission actor
+        sends them (for callers that forward them without a task per request: `scheduler.remote`)."""
         if submitted_at is None:
             submitted_at = time.perf_counter()
         check_length(len(tokens), params.max_tokens, self.model.info.context_length)
@@ -395,12 +392,9 @@ class Scheduler:
             raise result
         return result
 
-    def cancel(self, request_id: int) -> None:
-        """Cancel a request of `submit_tokens` (its out gets a "cancelled" chunk within a step, unless
-        it has ended already)."""
-        self._cancel(request_id)
-
-    def _cancel(self, rid: int) -> None:
+    def cancel(self, rid: int) -> None:
+        """Cancel request `rid` (its chunks end with "cancelled" within a step, unless it has
+        ended already)."""
         admission = self._admission
         if admission is not None:
             try:
@@ -414,17 +408,17 @@ class _Scopes:
 
     def __init__(self) -> None:
         self._scopes: list[anyio.CancelScope] = []
-        self._cancelled = False
+        self.cancelled = False
 
     def new(self) -> anyio.CancelScope:
         scope = anyio.CancelScope()
-        if self._cancelled:
+        if self.cancelled:
             scope.cancel()
         self._scopes.append(scope)
         return scope
 
     def cancel(self) -> None:
-        self._cancelled = True
+        self.cancelled = True
         for scope in self._scopes:
             scope.cancel()
 

@@ -141,7 +141,8 @@ class ServerSection(_Section):
     engine_process: bool = False
     """Run the scheduler in a child process and keep HTTP, SSE and tokenizing in this one
     (`--engine-process`): the event loop's per-token work then no longer shares the GIL with the
-    worker thread that builds each step (`scheduler.remote`; the README's "Served" says when it pays)."""
+    worker thread that builds each step (`scheduler.remote`). Experimental: measured, it has not
+    paid yet (the README's "Served"); ignored with `--replicas` above 1."""
 
 
 class ClusterSection(_Section):

@@ -52,6 +52,8 @@ Engine = Scheduler | EngineProcess
 
 log = structlog.get_logger("scheduler.http")
 
+ENGINE_PROCESS_NOTE = ("no gain over one process on 2 CPU cores or on an H100 at 64 streams, and "
+                       "an H100 regression at 8 streams (TTFT p50 5x); README, 'Served'")
 DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI
 DEFAULT_CHAT_MAX_TOKENS = 512  # /v1/chat/completions, as mlx_lm.server; lowered to fit the context
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
@@ -114,6 +116,8 @@ class _OpenAI:
         @asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
             engine = EngineProcess(config) if config.server.engine_process else Scheduler(config)
+            if config.server.engine_process:
+                log.warning("engine_process_experimental", measured=ENGINE_PROCESS_NOTE)
             async with engine as sched:
                 self._scheduler = self.gate.scheduler = sched
                 try:

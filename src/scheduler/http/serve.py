@@ -57,6 +57,10 @@ def serve(args: argparse.Namespace, config: SchedulerConfig) -> None:
     if replicas > 1:
         from scheduler.cluster import serve_replicas
 
+        if getattr(args, "engine_process", None) or config.server.engine_process:
+            log.warning("engine_process_ignored", replicas=replicas,
+                        reason="each replica is a process of its own behind Ray Serve's HTTP proxy")
+
         serve_replicas(args, config, replicas)
         return
     try:
