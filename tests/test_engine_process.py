@@ -138,36 +138,3 @@ def test_cli_serve_engine_process_streams_and_stops_with_its_child(model_cache: 
     with pytest.raises(ProcessLookupError):  # the child exited with the server
         os.kill(pid, 0)
 
-
-async def test_closing_the_engine_ends_each_stream_with_its_shutting_down_answer(model_cache: Path) -> None:
-    long = {"prompt": [5, 6, 7], "max_tokens": 1500, "ignore_eos": True}
-    answers: dict[str, httpx.Response] = {}
-    release, closed = anyio.Event(), anyio.Event()
-
-    async def own(*, task_status: anyio.abc.TaskStatus[EngineProcess]) -> None:
-        async with EngineProcess(config(model_cache)) as engine:  # as the app's lifespan holds it
-            task_status.started(engine)
-            await release.wait()
-        closed.set()
-
-    with anyio.fail_after(60):
-        async with anyio.create_task_group() as tg:
-            engine = await tg.start(own)
-            transport = httpx.ASGITransport(app=create_app(scheduler=engine))
-            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-
-                async def ask(name: str, body: dict[str, object]) -> None:
-                    answers[name] = await c.post("/v1/completions", json=body)
-
-                async with anyio.create_task_group() as asks:
-                    asks.start_soon(ask, "whole", long)
-                    asks.start_soon(ask, "stream", {**long, "stream": True})
-                    while (await engine.fetch_stats()).engine_batch < 2:
-                        await anyio.sleep(0.01)
-                    release.set()
-                await closed.wait()
-    assert answers["whole"].status_code == 503
-    assert answers["whole"].json()["error"]["code"] == "shutting_down"
-    ev = events(answers["stream"].text)  # the 200 had gone out: an error event, then [DONE]
-    assert ev[-1] == "[DONE]" and ev[-2]["error"]["code"] == "shutting_down"
-    assert engine.returncode == 0  # the child exited on its own after Close

@@ -17,6 +17,7 @@ import structlog
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from scheduler.http.app import create_app
+from scheduler.remote.client import EngineProcess
 from scheduler.types import Chunk
 from tests.serve_process import serve
 from tests.test_actors import wait_idle
@@ -220,19 +221,27 @@ async def test_queue_full_is_429_with_retry_after(model_cache: Path) -> None:
             await wait_idle(s)
 
 
-async def test_shutting_down_is_503_before_and_during_a_request(model_cache: Path) -> None:
+async def engine_batch(engine: Scheduler | EngineProcess) -> int:
+    stats = await engine.fetch_stats() if isinstance(engine, EngineProcess) else engine.stats()
+    return stats.engine_batch
+
+
+@pytest.mark.parametrize("engine_class", [Scheduler, EngineProcess])  # in this process, or a child
+async def test_shutting_down_is_503_before_and_during_a_request(
+    model_cache: Path, engine_class: type[Scheduler | EngineProcess]
+) -> None:
     long = {"prompt": [5, 6, 7], "max_tokens": 1500, "ignore_eos": True}
     answers: dict[str, httpx.Response] = {}
     release, closed = anyio.Event(), anyio.Event()
 
-    async def own(*, task_status: anyio.abc.TaskStatus[Scheduler]) -> None:
+    async def own(*, task_status: anyio.abc.TaskStatus[Scheduler | EngineProcess]) -> None:
         # The scheduler lives in a task of its own, as in a lifespan; leaving `async with` closes it.
-        async with Scheduler(config(model_cache)) as s:
+        async with engine_class(config(model_cache)) as s:
             task_status.started(s)
             await release.wait()
         closed.set()
 
-    with anyio.fail_after(30):
+    with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             s = await tg.start(own)
             transport = httpx.ASGITransport(app=create_app(scheduler=s))
@@ -244,7 +253,7 @@ async def test_shutting_down_is_503_before_and_during_a_request(model_cache: Pat
                 async with anyio.create_task_group() as asks:
                     asks.start_soon(ask, "whole", long)
                     asks.start_soon(ask, "stream", {**long, "stream": True})
-                    while s.stats().engine_batch < 2:
+                    while await engine_batch(s) < 2:
                         await anyio.sleep(0.005)
                     release.set()
                 await closed.wait()
@@ -254,6 +263,8 @@ async def test_shutting_down_is_503_before_and_during_a_request(model_cache: Pat
     ev = events(answers["stream"].text)  # the 200 had gone out: an error event, then [DONE]
     assert ev[-1] == "[DONE]" and ev[-2]["error"]["code"] == "shutting_down"
     assert after.status_code == 503 and after.json()["error"]["type"] == "service_unavailable"
+    if isinstance(s, EngineProcess):
+        assert s.returncode == 0  # the child exited on its own after Close
 
 
 class FailingStream:

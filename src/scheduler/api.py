@@ -19,7 +19,6 @@ from scheduler.chunks import ChunkOut, ChunkReceiver, chunk_channel
 from scheduler.config import SchedulerConfig
 from scheduler.errors import (
     ConfigError,
-    InvalidRequest,
     ModelLoadError,
     SchedulerClosed,
     SchedulerError,
@@ -27,7 +26,7 @@ from scheduler.errors import (
 from scheduler.kvplan import KVPlan, layer_bytes, pool_size
 from scheduler.messages import Cancel, Close, DropSession, Submit, SubmitEnvelope
 from scheduler.policies import make_policy
-from scheduler.stream import RequestStream
+from scheduler.stream import RequestStream, prompt_tokens
 from scheduler.types import Chunk, Completion, SchedulerStats
 from scheduler.validation import chat_template_ids, check_arguments, check_length, check_session
 from workers.factory import Loaded, mlx_engine_factory
@@ -42,9 +41,6 @@ if TYPE_CHECKING:
     from workers.messages import WorkerEvent
 
 log = structlog.get_logger("scheduler")
-
-# Tokenizing a long prompt takes milliseconds; past this many characters it leaves the loop.
-_THREAD_TOKENIZE_CHARS = 2048
 
 
 def real_engine_factory(c: SchedulerConfig) -> EngineFactory[Loaded]:
@@ -349,16 +345,7 @@ class Scheduler:
     ) -> tuple[int, ChunkReceiver]:
         submitted_at = time.perf_counter()
         self._check_running()
-        if isinstance(prompt, str):
-            encode = self.model.codec.encode
-            if len(prompt) > _THREAD_TOKENIZE_CHARS:
-                tokens = await anyio.to_thread.run_sync(encode, prompt)
-            else:
-                tokens = encode(prompt)
-            if not tokens:
-                raise InvalidRequest("prompt encodes to no tokens")
-        else:
-            tokens = list(prompt)
+        tokens = await prompt_tokens(prompt, self.model.codec.encode)
         out_send, out_recv = chunk_channel()  # the actor sends at most max_tokens + 2 chunks
         try:
             rid = await self.submit_tokens(tokens, params, out_send, priority=priority, tenant=tenant,

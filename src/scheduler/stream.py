@@ -9,13 +9,30 @@ from typing import TYPE_CHECKING
 import anyio
 
 from scheduler.chunks import ChunkReceiver
-from scheduler.errors import SchedulerClosed
+from scheduler.errors import InvalidRequest, SchedulerClosed
 from scheduler.params import SamplingParams
 
 if TYPE_CHECKING:
     from types import TracebackType
 
     from scheduler.types import Chunk
+
+THREAD_TOKENIZE_CHARS = 2048
+"""Tokenizing a long prompt takes milliseconds; past this many characters it leaves the loop."""
+
+
+async def prompt_tokens(prompt: str | list[int], encode: Callable[[str], list[int]]) -> list[int]:
+    """The token ids of `prompt`: a text encoded (on a thread when long), a list copied."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if len(prompt) > THREAD_TOKENIZE_CHARS:
+        tokens = await anyio.to_thread.run_sync(encode, prompt)
+    else:
+        tokens = encode(prompt)
+    if not tokens:
+        raise InvalidRequest("prompt encodes to no tokens")
+    return tokens
+
 
 SubmitFn = Callable[
     [str | list[int], SamplingParams, int, str, float | None, str | None],

@@ -20,7 +20,7 @@ import structlog
 from scheduler import errors
 from scheduler.chunks import ChunkSender, chunk_channel
 from scheduler.remote import wire
-from scheduler.stream import RequestStream
+from scheduler.stream import RequestStream, prompt_tokens
 from scheduler.types import Chunk
 from scheduler.validation import chat_template_ids, check_arguments, check_session
 
@@ -38,7 +38,6 @@ log = structlog.get_logger("scheduler.remote")
 
 CLOSE_S = 30.0
 """How long the engine gets to end its requests and exit after `Close`; then it is killed."""
-THREAD_TOKENIZE_CHARS = 4096  # as Scheduler: longer texts are tokenized off the event loop
 
 
 class RemoteModel(msgspec.Struct, frozen=True):
@@ -211,17 +210,8 @@ class EngineProcess:
         timeout: float | None, session: str | None,
     ) -> tuple[int, ChunkReceiver]:
         self._check_running()
-        if isinstance(prompt, str):
-            encode = self.model.codec.encode
-            if len(prompt) > THREAD_TOKENIZE_CHARS:
-                tokens = await anyio.to_thread.run_sync(encode, prompt)
-            else:
-                tokens = encode(prompt)
-            if not tokens:
-                raise errors.InvalidRequest("prompt encodes to no tokens")
-            self._check_running()
-        else:
-            tokens = list(prompt)
+        tokens = await prompt_tokens(prompt, self.model.codec.encode)
+        self._check_running()
         cid = next(self._ids)
         send, recv = chunk_channel()  # refusals come as its error (ChunkSender.fail)
         self._outs[cid] = send
