@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 class ChunkOut(Protocol):
     """Where the admission actor sends one request's chunks: a `ChunkSender`, or the engine
-    process's frame sink (`scheduler.remote.child`). `send_nowait` never blocks; it raises
-    `anyio.BrokenResourceError` once the receiver has gone."""
+    process's frame sink (`scheduler.remote.child`). `send_nowait` never blocks; a `ChunkSender`
+    raises `anyio.BrokenResourceError` once its receiver has gone (the sink drops the chunks of a
+    request cancelled from the other process instead)."""
 
     def send_nowait(self, chunk: Chunk) -> None: ...
 
