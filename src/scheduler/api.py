@@ -395,17 +395,17 @@ class _Scopes:
 
     def __init__(self) -> None:
         self._scopes: list[anyio.CancelScope] = []
-        self.cancelled = False
+        self._cancelled = False
 
     def new(self) -> anyio.CancelScope:
         scope = anyio.CancelScope()
-        if self.cancelled:
+        if self._cancelled:
             scope.cancel()
         self._scopes.append(scope)
         return scope
 
     def cancel(self) -> None:
-        self.cancelled = True
+        self._cancelled = True
         for scope in self._scopes:
             scope.cancel()
 

@@ -80,7 +80,7 @@ def mlx_engine_factory(
             if folded:
                 log.info("quantized_decode_folded", layers=folded,
                          note="[worker] fold_quantized = false turns it off")
-        info = model_info(model, tokenizer, path)
+        info = model_info(model, tokenizer, directory, name=path)  # path: the directory it loaded
         engine = MLXEngine(
             model,
             vocab_size=info.vocab_size,

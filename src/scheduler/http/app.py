@@ -115,9 +115,12 @@ class _OpenAI:
     def lifespan(self, config: SchedulerConfig) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
         @asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
-            engine = EngineProcess(config) if config.server.engine_process else Scheduler(config)
+            engine: Engine
             if config.server.engine_process:
                 log.warning("engine_process_experimental", measured=ENGINE_PROCESS_NOTE)
+                engine = EngineProcess(config)
+            else:
+                engine = Scheduler(config)
             async with engine as sched:
                 self._scheduler = self.gate.scheduler = sched
                 try:

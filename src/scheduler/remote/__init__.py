@@ -1,4 +1,4 @@
-"""The scheduler in a process of its own, for `serve` (`[server] engine = "process"`).
+"""The scheduler in a process of its own, for `serve` (`[server] engine_process`, `--engine-process`).
 
 `serve`'s event loop does HTTP, SSE and tokenizing for every token it streams. In one process
 that work shares the GIL with the worker thread, which builds each step's graph in Python: the

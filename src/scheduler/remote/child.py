@@ -19,7 +19,6 @@ from metrics.logging import configure_logging
 from scheduler.api import Scheduler
 from scheduler.errors import SchedulerError
 from scheduler.remote import wire
-from workers.models import resolve_model
 
 if TYPE_CHECKING:
     import msgspec
@@ -172,8 +171,7 @@ async def serve_engine(path: str) -> None:
             await link.send(wire.Failed(f"{type(exc).__name__}: {exc}"))
             return
         try:
-            directory = resolve_model(config.model.path, config.model.cache_dir)  # built by now
-            await link.send(wire.Ready(sched.model.info, str(directory)))
+            await link.send(wire.Ready(sched.model.info))
             await _Engine(sched, link).run()
         finally:
             await sched.__aexit__(None, None, None)

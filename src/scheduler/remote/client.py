@@ -48,7 +48,7 @@ class RemoteModel(msgspec.Struct, frozen=True):
 
 
 class EngineProcess:
-    """A `Scheduler` in a child process, for `serve` (`[server] engine = "process"`): the same
+    """A `Scheduler` in a child process, for `serve` (`[server] engine_process`, `--engine-process`): the same
     `generate`, `chat_prompt`, `model` and `aclose`, with `fetch_stats` and `fetch_metrics` in
     place of `stats` and `metrics_text`. Use as `async with EngineProcess(config) as sched:`."""
 
@@ -103,7 +103,7 @@ class EngineProcess:
         if isinstance(reply, wire.Failed):
             raise errors.ModelLoadError(f"the engine process could not start: {reply.error}")
         assert isinstance(reply, wire.Ready)
-        codec = await anyio.to_thread.run_sync(_codec, reply.directory)
+        codec = await anyio.to_thread.run_sync(_codec, reply.info.path)
         self._model = RemoteModel(reply.info, codec)
         self._tg = await self._stack.enter_async_context(anyio.create_task_group())
         self._stack.push_async_callback(self._stop_process)

@@ -53,9 +53,7 @@ class Close(msgspec.Struct, tag=True, array_like=True):
 # ---- engine -> HTTP process ------------------------------------------------------------------
 class Ready(msgspec.Struct, tag=True, array_like=True):
     info: ModelInfo
-    directory: str
-    """The model directory the engine loaded (`info.path` may be `synthetic:*` or a hub id): the
-    HTTP process loads its tokenizer from there."""
+    """`info.path` is the directory the engine loaded: the HTTP process loads its tokenizer there."""
 
 
 class Failed(msgspec.Struct, tag=True, array_like=True):
