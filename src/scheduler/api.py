@@ -55,6 +55,8 @@ def real_engine_factory(c: SchedulerConfig) -> EngineFactory[Loaded]:
         block_tokens=c.kvpool.block_tokens,
         cuda_graphs=c.worker.cuda_graphs,
         fold_quantized=c.worker.fold_quantized,
+        dtype=c.model.dtype,
+        dequantize=c.model.dequantize,
     )
 
 
@@ -111,6 +113,9 @@ class Scheduler:
                 raise ModelLoadError(str(exc)) from exc.__cause__
             self._loaded = loaded
             info = loaded.info
+            if loaded.precision.dtype:
+                log.info("model_precision", model=info.name, dtype=loaded.precision.dtype,
+                         dequantized_layers=loaded.precision.dequantized, note=loaded.precision.note)
             if loaded.prefix_unavailable:
                 log.warning("prefix_cache_unavailable", model=info.name, reason=loaded.prefix_unavailable)
             if loaded.mask_free_unavailable:

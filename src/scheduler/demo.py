@@ -1,4 +1,5 @@
-"""The demo: a few hundred concurrent requests, live progress, then a latency table."""
+"""The demo: a few chat answers streamed as they come, then many concurrent chats with live
+progress and a latency table."""
 
 from __future__ import annotations
 
@@ -16,12 +17,26 @@ from scheduler.bench.targets import Record
 from scheduler.params import SamplingParams
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from scheduler.config import SchedulerConfig
 
-WORDS = (
-    "the scheduler batches many requests on one model while each stream keeps its own pace "
-    "tokens arrive in order memory is kept in blocks and every request ends exactly once"
-).split()
+SHOWN = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for staying focused.",
+)
+"""Streamed one after another, visibly, before the load."""
+QUESTIONS = (
+    "What is the capital of {}?",
+    "Write a short poem about {}.",
+    "Tell me one fact about {}.",
+    "Describe {} in one sentence.",
+)
+TOPICS = (
+    "France", "Japan", "Peru", "Kenya", "the moon", "autumn", "the ocean", "coffee", "trains",
+    "bees", "mountains", "libraries", "rain", "chess", "bread", "music",
+)
 
 
 class DemoResult(msgspec.Struct):
@@ -37,9 +52,21 @@ class DemoResult(msgspec.Struct):
     finish_reasons: dict[str, int]
 
 
-def make_prompts(n: int, words: int, seed: int) -> list[str]:
+def make_questions(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(words // 2, words))) for _ in range(n)]
+    return [rng.choice(QUESTIONS).format(rng.choice(TOPICS)) for _ in range(n)]
+
+
+async def show_answers(sched: Scheduler, questions: Sequence[str], max_tokens: int, out: TextIO) -> None:
+    """Stream each answer to ``out`` as its tokens arrive (greedy, so the text is reproducible)."""
+    for question in questions:
+        out.write(f"\n> {question}\n")
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        async for chunk in sched.generate(sched.chat_prompt([{"role": "user", "content": question}]), params):
+            out.write(chunk.text)
+            out.flush()
+            if chunk.finish_reason is not None:
+                out.write(f"\n  [{chunk.finish_reason}, {chunk.completion_tokens} tokens]\n")
 
 
 async def run_demo(
@@ -47,21 +74,23 @@ async def run_demo(
     *,
     requests: int,
     max_tokens: int,
-    prompt_words: int,
     seed: int,
+    show: Sequence[str] = SHOWN,
     out: TextIO = sys.stdout,
 ) -> DemoResult:
-    prompts = make_prompts(requests, prompt_words, seed)
-    records = [Record(prompt_tokens=0, max_tokens=max_tokens) for _ in prompts]
+    questions = make_questions(requests, seed)
+    records = [Record(prompt_tokens=0, max_tokens=max_tokens) for _ in questions]
     out.write(f"loading {config.model.path} ...\n")
     async with Scheduler(config) as sched:
-        out.write(f"sending {requests} concurrent requests (max_tokens={max_tokens})\n")
+        await show_answers(sched, show, max_tokens, out)
+        prompts = [sched.chat_prompt([{"role": "user", "content": q}]) for q in questions]
+        out.write(f"\nsending {requests} concurrent chats (temperature 0.7, max_tokens={max_tokens})\n")
         start = time.perf_counter()
 
         async def one(i: int) -> None:
             rec, t0 = records[i], time.perf_counter()
             last = t0
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=seed + i, ignore_eos=True)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=seed + i)
             async for chunk in sched.generate(prompts[i], params):
                 if chunk.token_ids:
                     last = rec.arrived(len(chunk.token_ids), t0, last)

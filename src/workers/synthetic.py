@@ -5,9 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,13 +13,15 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from workers.cachedir import build_atomically, cache_root
+
 if TYPE_CHECKING:
+    import os
     from collections.abc import Iterator
 
 BUILD_VERSION = 1
 """Bump whenever the build output changes, so that old cache entries are not reused."""
 
-CACHE_ENV = "MLX_SCHEDULER_CACHE"
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -163,16 +162,6 @@ SIZES: dict[str, SyntheticSpec] = {
 # fmt: on
 
 
-def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The cache root: ``cache_dir``, else ``$MLX_SCHEDULER_CACHE``, else ~/.cache/mlx-scheduler."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "mlx-scheduler"
-
-
 def model_dir(size: str, seed: int = 0, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where ``synthetic:<size>`` built from ``seed`` lives (it may not exist yet)."""
     return cache_root(cache_dir) / "models" / f"{size}-s{seed}-v{BUILD_VERSION}"
@@ -186,23 +175,9 @@ def build(size: str, seed: int = 0, cache_dir: str | os.PathLike[str] | None = N
     """
     if size not in SIZES:
         raise KeyError(f"unknown synthetic model size {size!r}; known: {', '.join(SIZES)}")
-    final = model_dir(size, seed, cache_dir)
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-    try:
-        write_model(SIZES[size], seed, tmp, name=size)
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not final.is_dir():
-                raise
-            # Another builder won the race; its output is identical.
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_atomically(
+        model_dir(size, seed, cache_dir), lambda out: write_model(SIZES[size], seed, out, name=size)
+    )
 
 
 def write_model(spec: SyntheticSpec, seed: int, out: Path, name: str = "") -> None:

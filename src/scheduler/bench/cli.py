@@ -147,7 +147,8 @@ def _main(args: argparse.Namespace, config: SchedulerConfig) -> list[Report]:
 
 
 def _dataset(args: argparse.Namespace, config: SchedulerConfig) -> list[datasets.RequestSpec]:
-    from workers.models import ModelSourceError, resolve_model
+    from workers.cachedir import ModelSourceError
+    from workers.models import resolve_model
 
     source = args.tokenizer or args.model or (None if args.url else config.model.path)
     if source is None:
