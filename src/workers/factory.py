@@ -35,7 +35,19 @@ class TokenizerCodec:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special))
 
     def detokenizer(self) -> Any:
-        return self.tokenizer.detokenizer
+        detokenizer = self.tokenizer.detokenizer
+        # mlx-lm drops the first generated token's leading space, but generated text continues
+        # its prompt: " Paris" after "The capital of France is" keeps its space, as a whole
+        # decode of the same tokens does.
+        if hasattr(detokenizer, "trim_space"):
+            detokenizer.trim_space = False
+        if hasattr(detokenizer, "_maybe_trim_space"):
+            detokenizer._maybe_trim_space = _untrimmed
+        return detokenizer
+
+
+def _untrimmed(text: str) -> str:
+    return text
 
 
 class Loaded(msgspec.Struct, frozen=True):
