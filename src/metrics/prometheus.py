@@ -113,6 +113,9 @@ class GaugeSource(Protocol):
     @property
     def mask_free_decode(self) -> bool: ...
 
+    @property
+    def blas(self) -> str: ...
+
 
 class SchedulerMetrics:
     """Observer + collector. Call the observer methods from one thread (the event loop); scrape
@@ -254,6 +257,9 @@ class SchedulerMetrics:
              "they cannot (sliding-window or recurrent layers).", int(stats.prefix_cache_available)),
             ("mask_free_decode", "1 when decode steps without left padding skip the attention mask "
              "(fused attention), 0 when the model's caches need it.", int(stats.mask_free_decode)),
+            ("cpu_blas_openblas", "1 when MLX's CPU backend runs float32 matmuls on OpenBLAS, 0 on "
+             "the mlx wheel's reference BLAS or Accelerate (see stats().blas_note).",
+             int(stats.blas == "openblas")),
         ):
             yield GaugeMetricFamily(f"{p}_{name}", doc, value=value)
         for name, doc, value in (

@@ -113,6 +113,10 @@ class Scheduler:
                 raise ModelLoadError(str(exc)) from exc.__cause__
             self._loaded = loaded
             info = loaded.info
+            if loaded.blas.library == "openblas":
+                log.info("cpu_blas", library="openblas", threads=loaded.blas.threads, path=loaded.blas.path)
+            elif loaded.blas.library:
+                log.warning("cpu_blas_bundled", library=loaded.blas.library, reason=loaded.blas.reason)
             if loaded.precision.dtype:
                 log.info("model_precision", model=info.name, dtype=loaded.precision.dtype,
                          dequantized_layers=loaded.precision.dequantized, note=loaded.precision.note)
@@ -314,6 +318,8 @@ class Scheduler:
             session_fallbacks=c.session_fallbacks,
             prefix_cache_available=self._loaded is None or not self._loaded.prefix_unavailable,
             mask_free_decode=self._loaded is None or not self._loaded.mask_free_unavailable,
+            blas=self._loaded.blas.library if self._loaded else "",
+            blas_note=self._loaded.blas.reason if self._loaded else "",
         )
 
     async def drop_session(self, session: str) -> bool:

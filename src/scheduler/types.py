@@ -91,3 +91,8 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     mask_free_decode: bool = True
     """False when no decode step can skip mlx-lm's attention mask (sliding-window or recurrent
     layers, or an mlx-lm whose internals changed; the log says which)."""
+    blas: str = ""
+    """The BLAS under MLX's CPU backend: "openblas", "accelerate" (macOS) or "bundled" (the mlx
+    wheel's reference BLAS, 20-50x slower for float32 matmuls)."""
+    blas_note: str = ""
+    """Why not OpenBLAS, when it is not (also logged once at start as `cpu_blas_bundled`)."""

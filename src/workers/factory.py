@@ -10,6 +10,7 @@ import msgspec
 import structlog
 from mlx_lm.models.cache import KVCache
 
+from workers.blas import BlasState, blas_state
 from workers.cuda import apply_cuda_defaults, on_cuda
 from workers.dtypes import Dequantize, DTypeName, Precision
 from workers.engine import Engine, MLXEngine
@@ -69,6 +70,8 @@ class Loaded(msgspec.Struct, frozen=True):
     """Why decode steps cannot skip mlx-lm's attention mask ("" when they can)."""
     precision: Precision = Precision(dtype="")
     """The compute dtype the weights were given on this device, and any dequantization."""
+    blas: BlasState = BlasState("")
+    """The BLAS under MLX's CPU backend in the worker's process."""
 
 
 def mlx_engine_factory(
@@ -113,7 +116,7 @@ def mlx_engine_factory(
             kv_reuse=engine.reuses_kv, sessions=engine.support.sessions,
             prefix_unavailable=engine.support.reason,
             mask_free_unavailable=engine.mask_free_unavailable,
-            precision=loaded_model.precision,
+            precision=loaded_model.precision, blas=blas_state(),
         )
         return engine, loaded
 

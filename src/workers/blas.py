@@ -1,0 +1,195 @@
+"""OpenBLAS under MLX's CPU backend on Linux, loaded before MLX.
+
+The Linux `mlx[cpu]` wheel bundles netlib's reference BLAS: float32 matmuls run at about
+8 GFLOP/s. MLX looks `cblas_sgemm` up through the process's global symbol scope, so an OpenBLAS
+loaded with RTLD_GLOBAL *before* `mlx.core` is imported takes its place (150-460 GFLOP/s on our
+2-core machines). Loaded after MLX it changes nothing, so `workers/__init__.py` calls
+`load_openblas()` before any of our modules imports MLX.
+
+The library comes from the `ngsolve-openblas` wheel (BSD-3-Clause, built for every x86-64 core
+type at once; `cmeel-openblas` is built for AVX-512 only and dies with SIGILL on other CPUs). It
+needs `libgfortran.so.5`, which a bare machine may lack; numpy's wheel carries one under a
+renamed SONAME, so a copy whose SONAME says `libgfortran.so.5` again is written into the model
+cache and loaded first. Nothing here raises: every failure leaves the bundled BLAS in place and
+says why in `blas_state()`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import struct
+import sys
+import tempfile
+from pathlib import Path
+
+import msgspec
+
+from workers.cachedir import cache_root
+
+BLAS_ENV = "MLX_SCHEDULER_BLAS"
+""""openblas" (the default) or "bundled" (leave MLX's own BLAS alone)."""
+THREADS_ENV = "MLX_SCHEDULER_BLAS_THREADS"
+"""OpenBLAS threads; default: the CPUs this process may use, at most 4."""
+WHEEL = "ngsolve-openblas"
+MAX_DEFAULT_THREADS = 4
+_GFORTRAN = "libgfortran.so.5"
+
+
+class BlasState(msgspec.Struct, frozen=True):
+    """Which BLAS MLX's CPU backend runs its float32 matmuls on in this process."""
+
+    library: str
+    """"openblas", "accelerate" (macOS), or "bundled" (the mlx wheel's own)."""
+    path: str = ""
+    threads: int = 0
+    reason: str = ""
+    """Why not OpenBLAS ("" when it is)."""
+
+
+_state: BlasState | None = None
+
+
+def blas_state() -> BlasState:
+    """The outcome of `load_openblas` (which runs first if it has not)."""
+    return load_openblas()
+
+
+def load_openblas() -> BlasState:
+    """Load OpenBLAS for MLX if it can still take effect; once per process."""
+    global _state
+    if _state is None:
+        _state = _load()
+    return _state
+
+
+def _load() -> BlasState:
+    if sys.platform == "darwin":
+        return BlasState("accelerate", reason="macOS: MLX uses Accelerate")
+    if not sys.platform.startswith("linux"):
+        return BlasState("bundled", reason=f"no OpenBLAS wheel is used on {sys.platform}")
+    choice = os.environ.get(BLAS_ENV, "openblas").strip().lower()
+    if choice in ("bundled", "off", "0", "no"):
+        return BlasState("bundled", reason=f"{BLAS_ENV}={choice}")
+    if "mlx.core" in sys.modules:
+        return BlasState("bundled", reason="mlx.core was imported before the scheduler's packages, "
+                         "so its BLAS was already bound; import scheduler (or workers) first")
+    library = _find_library()
+    if library is None:
+        return BlasState("bundled", reason=f"the {WHEEL} wheel is not installed (it has wheels for "
+                         "Linux x86-64 only)")
+    try:
+        handle = _open(library)
+    except OSError as e:
+        return BlasState("bundled", path=str(library), reason=f"OpenBLAS did not load: {e}")
+    threads = _threads()
+    if threads:
+        handle.openblas_set_num_threads(ctypes.c_int(threads))
+    return BlasState("openblas", path=str(library), threads=int(handle.openblas_get_num_threads()))
+
+
+def _find_library() -> Path | None:
+    try:
+        files = importlib.metadata.distribution(WHEEL).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name.startswith("libopenblas") and ".so" in f.name:
+            return Path(str(f.locate())).resolve()
+    return None
+
+
+def _open(library: Path) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        if _GFORTRAN not in str(e):
+            raise
+    _load_gfortran()
+    return ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+
+
+def _threads() -> int:
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if value:
+        try:
+            return max(1, int(value))
+        except ValueError:
+            return 0
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(usable, MAX_DEFAULT_THREADS)
+
+
+def _load_gfortran() -> None:
+    """Load numpy's libgfortran (and its libquadmath) under the SONAME OpenBLAS asks for."""
+    spec = importlib.util.find_spec("numpy")
+    origin = spec.origin if spec is not None else None
+    libs = Path(origin).parent.parent / "numpy.libs" if origin else None
+    found = sorted(libs.glob("libgfortran-*.so*")) if libs and libs.is_dir() else []
+    if not found:
+        raise OSError(f"{_GFORTRAN} is not installed, and numpy's wheel carries no copy of it")
+    for quadmath in sorted(libs.glob("libquadmath-*.so*")) if libs else []:
+        ctypes.CDLL(str(quadmath), mode=ctypes.RTLD_GLOBAL)
+    ctypes.CDLL(str(_renamed_copy(found[0])), mode=ctypes.RTLD_GLOBAL)
+
+
+def _renamed_copy(source: Path) -> Path:
+    """A copy of the shared library ``source`` in the cache whose SONAME is `libgfortran.so.5`."""
+    data = bytearray(source.read_bytes())
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    target = cache_root() / "blas" / f"{_GFORTRAN}-{digest}"
+    if target.is_file():
+        return target
+    set_soname(data, _GFORTRAN.encode())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache may be shared
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def set_soname(elf: bytearray, name: bytes) -> None:
+    """Overwrite the SONAME of a 64-bit little-endian ELF shared library in place; ``name`` must
+    not be longer than the old one (the string table cannot grow)."""
+    if elf[:4] != b"\x7fELF" or elf[4] != 2 or elf[5] != 1:
+        raise OSError("not a 64-bit little-endian ELF file")
+    (phoff,) = struct.unpack_from("<Q", elf, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", elf, 0x36)
+    loads: list[tuple[int, int, int]] = []
+    dynamic: tuple[int, int] | None = None
+    for i in range(phnum):
+        kind, _, offset, vaddr, _, filesz = struct.unpack_from("<IIQQQQ", elf, phoff + i * phentsize)
+        if kind == 1:  # PT_LOAD
+            loads.append((vaddr, offset, filesz))
+        elif kind == 2:  # PT_DYNAMIC
+            dynamic = (offset, filesz)
+    if dynamic is None:
+        raise OSError("no dynamic section")
+    strtab = soname = None
+    for at in range(dynamic[0], dynamic[0] + dynamic[1], 16):
+        tag, value = struct.unpack_from("<qQ", elf, at)
+        if tag == 0:  # DT_NULL
+            break
+        if tag == 5:  # DT_STRTAB
+            strtab = value
+        elif tag == 14:  # DT_SONAME
+            soname = value
+    if strtab is None or soname is None:
+        raise OSError("no SONAME")
+    start = next((off + strtab - va for va, off, size in loads if va <= strtab < va + size), None)
+    if start is None:
+        raise OSError("the string table is outside every loaded segment")
+    at = start + soname
+    old = elf.index(0, at) - at
+    if len(name) > old:
+        raise OSError(f"the new SONAME is longer than the old one ({old} bytes)")
+    elf[at : at + old] = name + b"\0" * (old - len(name))
