@@ -8,6 +8,10 @@ from typing import TYPE_CHECKING
 import pytest
 import structlog
 
+# Before any test module imports MLX (mlx_lm, mlx.core): OpenBLAS binds only if it loads first,
+# as it does for `import scheduler` in an application.
+import workers  # noqa: F401
+
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
