@@ -51,6 +51,15 @@ class BlasState(msgspec.Struct, frozen=True):
 
 
 _state: BlasState | None = None
+_loaded: list[str] = []
+"""Every library loaded here, in order: what another process needs in LD_PRELOAD to match."""
+
+
+def preload() -> str:
+    """An LD_PRELOAD value that gives a child process (a peer server in a benchmark) the BLAS
+    this process runs on; "" when it runs on the bundled one."""
+    load_openblas()
+    return " ".join(_loaded)
 
 
 def blas_state() -> BlasState:
@@ -104,12 +113,18 @@ def _find_library() -> Path | None:
 
 def _open(library: Path) -> ctypes.CDLL:
     try:
-        return ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+        return _dlopen(library)
     except OSError as e:
         if _GFORTRAN not in str(e):
             raise
     _load_gfortran()
-    return ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    return _dlopen(library)
+
+
+def _dlopen(path: Path) -> ctypes.CDLL:
+    handle = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    _loaded.append(str(path))
+    return handle
 
 
 def _threads() -> int:
@@ -132,8 +147,8 @@ def _load_gfortran() -> None:
     if not found:
         raise OSError(f"{_GFORTRAN} is not installed, and numpy's wheel carries no copy of it")
     for quadmath in sorted(libs.glob("libquadmath-*.so*")) if libs else []:
-        ctypes.CDLL(str(quadmath), mode=ctypes.RTLD_GLOBAL)
-    ctypes.CDLL(str(_renamed_copy(found[0])), mode=ctypes.RTLD_GLOBAL)
+        _dlopen(quadmath)
+    _dlopen(_renamed_copy(found[0]))
 
 
 def _renamed_copy(source: Path) -> Path:
