@@ -66,7 +66,7 @@ def create_app(config: SchedulerConfig) -> FastAPI:
         return StreamingResponse(text(), media_type="text/plain; charset=utf-8")
 
     @app.get("/stats")
-    async def stats(request: Request) -> dict[str, int]:
+    async def stats(request: Request) -> dict[str, int | bool | str]:
         return msgspec.structs.asdict(request.state.sched.stats())
 
     return app

@@ -7,6 +7,7 @@ One test per model shares the reference runs and two schedulers between all of t
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import Counter
@@ -70,7 +71,11 @@ def alone(model: Any, tokenizer: Any, prompt: list[int], params: SamplingParams)
 
 
 def config(directory: Path, **kvpool: object) -> SchedulerConfig:
-    lines = [f'[model]\npath = "{directory}"', "[worker]\nmax_batch = 16", "[kvpool]"]
+    """Each model as it is saved (its own dtype, quantized layers kept), like `mlx_lm.load`
+    gives it to the reference runs, rather than the CPU's float32 default."""
+    saved = json.loads((directory / "config.json").read_text())["torch_dtype"]
+    lines = [f'[model]\npath = "{directory}"\ndtype = "{saved}"\ndequantize = "no"',
+             "[worker]\nmax_batch = 16", "[kvpool]"]
     lines += [f"{k} = {v!r}".replace("'", '"') for k, v in kvpool.items()]
     return SchedulerConfig.from_toml("\n".join(lines))
 

@@ -17,11 +17,12 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from workers import synthetic
+from workers import cachedir, synthetic
 from workers.models import (
     LayerCache,
     ModelInfo,
     ModelSourceError,
+    load,
     load_model,
     model_info,
     resolve_model,
@@ -43,8 +44,8 @@ def tiny(cache_root: Path) -> Loaded:
 
 @pytest.fixture(scope="session")
 def small(cache_root: Path) -> Loaded:
-    model, tokenizer = load_model("synthetic:small", cache_root)
-    return model, tokenizer, resolve_model("synthetic:small", cache_root)
+    loaded = load("synthetic:small", cache_root, dtype="bfloat16")  # as saved: no CPU float32
+    return loaded.model, loaded.tokenizer, loaded.directory
 
 
 def _files(directory: Path) -> dict[str, bytes]:
@@ -108,11 +109,11 @@ def test_a_failed_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monke
 
 def test_cache_root_comes_from_argument_env_or_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.delenv(synthetic.CACHE_ENV, raising=False)
-    assert synthetic.cache_root() == tmp_path / "home" / ".cache" / "mlx-scheduler"
-    monkeypatch.setenv(synthetic.CACHE_ENV, str(tmp_path / "env"))
+    monkeypatch.delenv(cachedir.CACHE_ENV, raising=False)
+    assert cachedir.cache_root() == tmp_path / "home" / ".cache" / "mlx-scheduler"
+    monkeypatch.setenv(cachedir.CACHE_ENV, str(tmp_path / "env"))
     assert synthetic.model_dir("small", 3).parent == tmp_path / "env" / "models"
-    assert synthetic.cache_root(tmp_path / "arg") == tmp_path / "arg"
+    assert cachedir.cache_root(tmp_path / "arg") == tmp_path / "arg"
 
 
 def test_tiny_loads_with_the_expected_info(tiny: Loaded) -> None:
@@ -147,6 +148,15 @@ def test_small_is_a_bf16_qwen2(small: Loaded) -> None:
     assert (info.model_type, info.dtype, info.num_layers, info.head_dim) == ("qwen2", "bfloat16", 4, 32)
     assert info.kv_bytes_per_token == 1024 and info.vocab_size == len(tokenizer._tokenizer)
     assert info.name == str(path) and info.eos_token_ids == (0, 2)
+
+
+def test_on_the_cpu_the_compute_dtype_is_float32(cache_root: Path) -> None:
+    # synthetic:small is saved in bfloat16; MLX's CPU backend has no fast bfloat16 matmul.
+    loaded = load("synthetic:small", cache_root)
+    assert json.loads((loaded.directory / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert loaded.precision.dtype == "float32" and loaded.precision.dequantized == 0
+    info = model_info(loaded.model, loaded.tokenizer, loaded.directory)
+    assert info.dtype == "float32" and info.kv_bytes_per_token == 2048  # twice bfloat16's
 
 
 def test_loading_a_local_directory_returns_it_as_is(tiny: Loaded) -> None:
@@ -229,7 +239,8 @@ def test_a_hub_id_fails_fast_when_offline(monkeypatch: pytest.MonkeyPatch) -> No
     assert time.monotonic() - start < 15
     message = str(err.value)
     assert "'mlx-scheduler-tests/no-such-model'" in message and "Hugging Face hub" in message
-    assert "local model directory" in message and "synthetic:tiny" in message
+    assert "local mlx-lm model directory" in message and "synthetic:tiny" in message
+    assert "smollm2-135m" in message and ".gguf" in message
     assert err.value.__cause__ is not None
 
 

@@ -88,13 +88,13 @@ def hf_config(
         "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(metadata.get(f"{name}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(metadata.get(f"{name}.context_length", 4096)),
-        "vocab_size": _vocab_size(metadata, tensors),
+        "vocab_size": _vocab_size(tensors),
         "tie_word_embeddings": "output.weight" not in tensors,
         "hidden_act": "silu",
         "rope_scaling": _rope_scaling(name, metadata),
     }
     key_length = metadata.get(f"{name}.attention.key_length")
-    if key_length is not None and int(key_length) != hidden // heads or arch.model_type == "qwen3":
+    if (key_length is not None and int(key_length) != hidden // heads) or arch.model_type == "qwen3":
         config["head_dim"] = int(key_length) if key_length is not None else hidden // heads
     if arch.model_type == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
@@ -102,7 +102,7 @@ def hf_config(
     return config
 
 
-def _vocab_size(metadata: dict[str, Any], tensors: dict[str, mx.array]) -> int:
+def _vocab_size(tensors: dict[str, mx.array]) -> int:
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise ModelSourceError("the GGUF file has no token_embd tensor")
