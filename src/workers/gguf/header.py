@@ -6,6 +6,7 @@ field, every tensor's type and every tensor's extent is checked here first.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -127,6 +128,8 @@ def _parse(cur: _Cursor, size: int) -> Header:
         if not 1 <= n_dims <= MAX_DIMS:
             raise cur.fail(f"tensor {name!r} has {n_dims} dimensions")
         dims = tuple(cur.scalar("<Q") for _ in range(n_dims))
+        if 0 in dims:
+            raise cur.fail(f"tensor {name!r} has an empty dimension: {list(dims)}")
         code = cur.scalar("<I")
         try:
             kind = GGMLQuantizationType(code)
@@ -140,7 +143,7 @@ def _parse(cur: _Cursor, size: int) -> Header:
     tensors: dict[str, TensorInfo] = {}
     for name, kind, shape, offset in raw:
         block, type_size = GGML_QUANT_SIZES[kind]
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)  # Python ints: numpy's int64 would overflow on corrupt dims
         if shape[-1] % block:
             raise cur.fail(f"tensor {name!r} rows of {shape[-1]} do not fill {kind.name} blocks of {block}")
         nbytes = count // block * type_size

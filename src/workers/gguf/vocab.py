@@ -146,6 +146,12 @@ def _byte_level_bpe(metadata: dict[str, Any], tokens: list[str]) -> Tokenizer:
             raise ModelSourceError(f"a GGUF merge {m!r} is not two tokens separated by a space")
         pairs.append((left, right))
     vocab = {t: i for i, t in enumerate(tokens)}
+    # tokenizers' BPE refuses these with a bare Exception: name the problem instead.
+    bad = next((p for p in pairs if p[0] not in vocab or p[1] not in vocab or p[0] + p[1] not in vocab), None)
+    if bad is not None:
+        raise ModelSourceError(
+            f"the GGUF merge {' '.join(bad)!r} does not join two tokens of the vocabulary into a third"
+        )
     tokenizer = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
     tokenizer.pre_tokenizer = make_pre()
     tokenizer.decoder = decoders.ByteLevel()
