@@ -7,14 +7,27 @@ separate venv), each started here on 127.0.0.1 and driven over HTTP by one and t
 client, (f) `sequential`: `mlx_lm.stream_generate`, one request at a time (FIFO). (c) runs with
 the same [worker]/[kvpool] settings as (b), so `served / scheduler` is what HTTP costs.
 
-For a compute-bound model on Linux CPU, run the whole script with OpenBLAS preloaded
-(`LD_PRELOAD=.../openblas-pthread/libblas.so.3`, MLX-NOTES.md): the servers inherit it.
+(g) `mlx_lm.server-installed`: mlx_lm.server on the BLAS its wheel bundles (no LD_PRELOAD),
+(h) `llama.cpp` (with --llama-cpp PYTHON, a venv holding `llama-cpp-python[server]`): its
+OpenAI-compatible server on the model's GGUF file (named models and .gguf paths only).
 
-Every backend gets the same prompts (exactly --prompt-tokens tokens), greedy sampling and
---max-tokens output tokens: the model is a copy of the synthetic one with its EOS rows of the
-(tied) embedding zeroed, so no request stops early on any backend and tokens/s compare fairly.
+BLAS: this process imports `scheduler` before MLX, so ours run on OpenBLAS (`workers.blas`;
+MLX_SCHEDULER_BLAS=bundled opts out, and `served` inherits the same environment). Every peer
+server is started with `LD_PRELOAD=workers.blas.preload()` and the same thread count, so it runs
+on the same OpenBLAS; `mlx_lm.server-installed` is the peer as installed. Each row records its BLAS.
+
+Every backend gets the same prompts and greedy sampling. --eos ignore (the default): prompts of
+exactly --prompt-tokens tokens run to --max-tokens. A synthetic model is copied with the EOS rows
+of its (tied) embedding zeroed, so it never stops early anywhere; a real model is left as it is
+and `ignore_eos` is sent instead (mlx_lm.server and llama-cpp-python have no such option: their
+requests may stop at EOS, and the row's `stops` counts them). --eos natural: chat prompts
+(the tokenizer's chat template over a passage and a question) that end at the model's EOS or
+--max-tokens, whichever is first. A real model runs as one float32, dequantized mlx-lm directory
+for every MLX backend (written once into the model cache), so all run the same weights.
 
     python benchmarks/peers.py [--model synthetic:small] [--concurrency 1 8 32 64]
+    python benchmarks/peers.py --model smollm2-135m --eos natural --backends scheduler served \
+        mlx_lm.server mlx_lm.server-installed
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import gc
 import json
 import os
 import platform
+import random
 import shutil
 import sys
 import time
@@ -37,14 +51,110 @@ from scheduler.bench.mlxlm import MlxLmServer
 from scheduler.bench.report import Report, build_report
 from scheduler.bench.runner import Load, RunResult, run_load
 from scheduler.bench.targets import OpenAITarget, Record, Sampling, SchedulerTarget
-from workers.models import load_model, resolve_model
+from workers.blas import blas_state, preload
+from workers.models import load_model, parse_synthetic, resolve_model
 
-BACKENDS = ("bare", "scheduler", "served", "served-process", "mlx_lm.server", "vllm-mlx", "sequential")
+BACKENDS = ("bare", "scheduler", "served", "served-process", "mlx_lm.server", "mlx_lm.server-installed",
+            "vllm-mlx", "llama.cpp", "sequential")
 DEFAULT_BACKENDS = ("bare", "scheduler", "served", "mlx_lm.server", "sequential")
-HTTP_BACKENDS = ("served", "served-process", "mlx_lm.server", "vllm-mlx")
+HTTP_BACKENDS = ("served", "served-process", "mlx_lm.server", "mlx_lm.server-installed", "vllm-mlx",
+                 "llama.cpp")
 SERVED = ("served", "served-process")
 """Ours over HTTP: the scheduler in the server's process, or in a child (`--engine-process`)."""
+NO_IGNORE_EOS = ("mlx_lm.server", "mlx_lm.server-installed", "llama.cpp")
+"""Peers whose API has no `ignore_eos`: with --eos ignore their requests may still stop at EOS."""
 GREEDY = Sampling(temperature=0.0, ignore_eos=True)
+NATURAL = Sampling(temperature=0.0, ignore_eos=False)
+QUESTIONS = (
+    "Summarize the passage above in one sentence.",
+    "What is the main topic of this text?",
+    "List three key words from the passage.",
+    "Explain the passage to a ten-year-old.",
+    "Is the passage formal or informal? Answer briefly.",
+    "Give the passage a short title.",
+    "What question does this text answer?",
+    "Rewrite the first sentence in plain English.",
+    "Who might have written this, and why?",
+    "What happens next? Continue in one sentence.",
+    "Name one fact stated in the passage.",
+    "Translate the first sentence into French.",
+    "What is the tone of this passage?",
+    "Write a one-line headline for this text.",
+    "Which word in the passage is the most unusual?",
+    "Does the passage mention a place? Which one?",
+)
+"""Questions after a passage, for --eos natural: answers of natural length that end at EOS."""
+
+
+def peer_env(backend: str) -> dict[str, str]:
+    """The environment added for a peer server: this process's OpenBLAS through LD_PRELOAD and
+    its thread count; the `-installed` peer gets an empty LD_PRELOAD (its wheel's own BLAS)."""
+    if backend.endswith("-installed") or backend == "llama.cpp":
+        return {"LD_PRELOAD": ""}
+    libs = preload()
+    if not libs:
+        return {"LD_PRELOAD": ""}
+    return {"LD_PRELOAD": libs, "OPENBLAS_NUM_THREADS": str(blas_state().threads)}
+
+
+def blas_of(backend: str) -> str:
+    """What the row's process runs its float32 matmuls on."""
+    name = backend.partition(":")[0]
+    state = blas_state()
+    ours = f"{state.library} ({state.threads} threads)" if state.library == "openblas" else state.library
+    if name == "llama.cpp":
+        return "ggml (llama.cpp's own kernels, GGUF weights)"
+    if name in HTTP_BACKENDS and name not in SERVED:
+        return f"openblas (LD_PRELOAD, {state.threads} threads)" if peer_env(name).get("LD_PRELOAD") else "bundled"
+    return ours
+
+
+def f32_model(name: str, cache_dir: str | None) -> Path:
+    """A float32, dequantized copy of a real model, written once beside the source in the model
+    cache: every MLX backend then runs the same weights (mlx_lm.server would otherwise run
+    whatever dtype the directory holds)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from workers.models import load
+
+    src = resolve_model(name, cache_dir)
+    dst = src.with_name(src.name + "-f32")
+    if (dst / "config.json").is_file():
+        return dst
+    loaded = load(name, cache_dir, dtype="float32", dequantize="yes")
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True)
+    weights = dict(tree_flatten(loaded.model.parameters()))
+    assert all(v.dtype == mx.float32 for v in weights.values()), "not all float32"
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = "float32"
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix in (".jinja", ".txt") or f.name == "special_tokens_map.json":
+            shutil.copy(f, tmp / f.name)
+    tmp.rename(dst)
+    return dst
+
+
+def natural_specs(model_dir: Path, maker: datasets.PromptMaker, count: int, passage_tokens: int,
+                  max_tokens: int, seed: int) -> list[datasets.RequestSpec]:
+    """Chat prompts: the tokenizer's chat template over a passage of `passage_tokens` tokens
+    and a question, with the generation prompt; sent as completion text to every backend."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    rng = random.Random(seed)
+    specs = []
+    for _ in range(count):
+        passage, _ = maker.make(passage_tokens, rng)
+        messages = [{"role": "user", "content": f"{passage.strip()}\n\n{rng.choice(QUESTIONS)}"}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        specs.append(datasets.RequestSpec(text, maker.length(text), max_tokens))
+    return specs
 
 
 def no_eos_model(name: str, cache_dir: str | None) -> Path:
@@ -74,11 +184,14 @@ def no_eos_model(name: str, cache_dir: str | None) -> Path:
     return dst
 
 
-def bare(model: object, prompts: list[list[int]], n: int, max_tokens: int) -> RunResult:
-    """A tight loop over BatchGenerator keeping `n` sequences in flight; stamps every token."""
+def bare(model: object, prompts: list[list[int]], n: int, max_tokens: int,
+         stop_tokens: list[list[int]] | None = None) -> RunResult:
+    """A tight loop over BatchGenerator keeping `n` sequences in flight; stamps every token.
+    `stop_tokens`: None runs every request to max_tokens."""
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, completion_batch_size=n, prefill_batch_size=min(8, n), prefill_step_size=512)
+    gen = BatchGenerator(model, completion_batch_size=n, prefill_batch_size=min(8, n), prefill_step_size=512,
+                         stop_tokens=stop_tokens)
     records = [Record(len(p), max_tokens) for p in prompts]
     todo = list(range(len(prompts)))[::-1]
     uid_of: dict[int, int] = {}
@@ -113,12 +226,16 @@ def bare(model: object, prompts: list[list[int]], n: int, max_tokens: int) -> Ru
     return RunResult(Load(concurrency=n), records, time.perf_counter() - start, False)
 
 
-def sequential(model: object, tokenizer: object, prompts: list[list[int]], n: int, max_tokens: int) -> RunResult:
+def sequential(model: object, tokenizer: object, prompts: list[list[int]], n: int, max_tokens: int,
+               ignore_eos: bool = True) -> RunResult:
     """`mlx_lm.stream_generate` one request at a time; `n` closed-loop users queue FIFO, so a
     request arrives when its user's previous one ended and its TTFT includes the wait."""
     import mlx.core as mx
     from mlx_lm import stream_generate
 
+    eos = set(tokenizer.eos_token_ids)  # type: ignore[attr-defined]
+    if ignore_eos:
+        tokenizer.eos_token_ids = []  # type: ignore[attr-defined]
     records = [Record(len(p), max_tokens) for p in prompts]
     ends: list[float] = []
     start = time.perf_counter()
@@ -126,7 +243,9 @@ def sequential(model: object, tokenizer: object, prompts: list[list[int]], n: in
         arrival = 0.0 if i < n else ends[i - n]  # user of request i-n sends request i
         rec, last = records[i], 0.0
         rec.sent_at = arrival
-        for _ in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens):
+        reason = "length"
+        for resp in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens):
+            reason = resp.finish_reason or reason
             now = time.perf_counter() - start
             if rec.ttft is None:
                 rec.ttft = now - arrival
@@ -135,7 +254,8 @@ def sequential(model: object, tokenizer: object, prompts: list[list[int]], n: in
             last = now
             rec.output_tokens += 1
         ends.append(time.perf_counter() - start)
-        rec.e2e, rec.done, rec.ok, rec.finish_reason = ends[-1] - arrival, True, True, "length"
+        rec.e2e, rec.done, rec.ok, rec.finish_reason = ends[-1] - arrival, True, True, reason
+    tokenizer.eos_token_ids = eos  # type: ignore[attr-defined]
     return RunResult(Load(concurrency=n), records, time.perf_counter() - start, False)
 
 
@@ -151,10 +271,22 @@ def our_toml(model_dir: Path, n: int, worker: str, engine_process: bool = False)
 
 
 def http_server(backend: str, model_dir: Path, n: int, worker: str, vllm_mlx: str | None,
-                tmp: Path) -> MlxLmServer:
-    """The server process of an HTTP backend, not started yet."""
-    if backend == "mlx_lm.server":
-        return MlxLmServer(model_dir, decode_concurrency=n, prompt_concurrency=8)
+                tmp: Path, llama_cpp: tuple[str, Path] | None = None) -> MlxLmServer:
+    """The server process of an HTTP backend, not started yet. `llama_cpp`: (its venv's
+    python, the GGUF file)."""
+    env = peer_env(backend)
+    if backend in ("mlx_lm.server", "mlx_lm.server-installed"):
+        return MlxLmServer(model_dir, decode_concurrency=n, prompt_concurrency=8, env=env,
+                           log_path=tmp / f"{backend}-{n}.log")
+    if backend == "llama.cpp":
+        assert llama_cpp is not None
+        python, gguf = llama_cpp
+        threads = blas_state().threads or (os.cpu_count() or 1)
+        cmd = [python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", "{port}",
+               "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096",
+               "--interrupt_requests", "False"]  # its default cancels a running stream when another request arrives
+        return MlxLmServer(model_dir, command=cmd, log_path=tmp / f"llama.cpp-{n}.log", start_timeout_s=300,
+                           env=env, health_path="/v1/models")
     if backend in SERVED:
         toml = tmp / f"{backend}-{n}.toml"
         toml.write_text(our_toml(model_dir, n, worker, engine_process=backend == "served-process"))
@@ -165,12 +297,12 @@ def http_server(backend: str, model_dir: Path, n: int, worker: str, vllm_mlx: st
     cmd = [vllm_mlx, "serve", str(model_dir), "--host", "127.0.0.1", "--port", "{port}",
            "--continuous-batching", "--max-num-seqs", str(n), "--completion-batch-size", str(n),
            "--prefill-batch-size", "8", "--offline"]
-    return MlxLmServer(model_dir, command=cmd, log_path=tmp / f"vllm-mlx-{n}.log", start_timeout_s=300)
+    return MlxLmServer(model_dir, command=cmd, log_path=tmp / f"vllm-mlx-{n}.log", start_timeout_s=300, env=env)
 
 
 async def through_scheduler(
     model_dir: Path, specs: list[datasets.RequestSpec], n: int, worker: str,
-    warm: list[datasets.RequestSpec] | None = None,
+    warm: list[datasets.RequestSpec] | None = None, sampling: Sampling = GREEDY,
 ) -> RunResult:
     """A timed run; `warm` first, untimed, through the same Scheduler (as a server process and
     the bare loop keep theirs), so that its first steps are not timed."""
@@ -178,51 +310,58 @@ async def through_scheduler(
     async with Scheduler(config) as sched:
         target = SchedulerTarget(sched)
         if warm:
-            await run_load(target, warm, Load(concurrency=n), GREEDY, progress=None)
-        return await run_load(target, specs, Load(concurrency=n), GREEDY, progress=None)
+            await run_load(target, warm, Load(concurrency=n), sampling, progress=None)
+        return await run_load(target, specs, Load(concurrency=n), sampling, progress=None)
 
 
 async def through_http(url: str, specs: list[datasets.RequestSpec], n: int,
-                       model: str | None = None) -> RunResult:
+                       model: str | None = None, sampling: Sampling = GREEDY) -> RunResult:
     """`model`: the request's "model" field, for servers that require it (vllm-mlx)."""
     import httpx
 
     limits = httpx.Limits(max_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600, connect=10), trust_env=False) as c:
-        return await run_load(OpenAITarget(c, url, model=model), specs, Load(concurrency=n), GREEDY, progress=None)
+        return await run_load(OpenAITarget(c, url, model=model), specs, Load(concurrency=n), sampling, progress=None)
 
 
 def run_backend(backend: str, model: object, tokenizer: object, model_dir: Path,
                 specs: list[datasets.RequestSpec], ids: list[list[int]], n: int, max_tokens: int,
                 warm: tuple[list[datasets.RequestSpec], list[list[int]]] | None = None,
-                vllm_mlx: str | None = None, tmp: Path = Path(".")) -> Report:
+                vllm_mlx: str | None = None, tmp: Path = Path("."), sampling: Sampling = GREEDY,
+                llama_cpp: tuple[str, Path] | None = None) -> tuple[Report, RunResult]:
     """One timed run; `warm` (other prompts) first runs untimed through the same backend (for
     a server, in the same server process), so that kernel compilation is not timed."""
     name, _, keys = backend.partition(":")
     # "scheduler:key=value,..." (or "served:...") sets [worker] keys, e.g. step_token_budget=0
     worker = "\n".join(kv.replace("=", " = ") for kv in keys.split(",") if kv)
     if name in HTTP_BACKENDS:
-        with http_server(name, model_dir, n, worker, vllm_mlx, tmp) as server:
+        with http_server(name, model_dir, n, worker, vllm_mlx, tmp, llama_cpp) as server:
             model_field = str(model_dir) if name == "vllm-mlx" else None
             if warm:
-                anyio.run(through_http, server.url, warm[0], n, model_field)
-            run = anyio.run(through_http, server.url, specs, n, model_field)
+                anyio.run(through_http, server.url, warm[0], n, model_field, sampling)
+            run = anyio.run(through_http, server.url, specs, n, model_field, sampling)
     elif backend == "bare":
+        stops = None if sampling.ignore_eos else [[t] for t in tokenizer.eos_token_ids]  # type: ignore[attr-defined]
         if warm:
-            bare(model, warm[1], n, max_tokens)
-        run = bare(model, ids, n, max_tokens)
+            bare(model, warm[1], n, max_tokens, stops)
+        run = bare(model, ids, n, max_tokens, stops)
     elif name == "scheduler":
-        run = anyio.run(through_scheduler, model_dir, specs, n, worker, warm[0] if warm else None)
+        run = anyio.run(through_scheduler, model_dir, specs, n, worker, warm[0] if warm else None, sampling)
     else:
         if warm:  # one request at a time: two warm it up
-            sequential(model, tokenizer, warm[1][:2], n, max_tokens)
-        run = sequential(model, tokenizer, ids, n, max_tokens)
-    return build_report(run, label=backend, target=backend, slos_ms={})
+            sequential(model, tokenizer, warm[1][:2], n, max_tokens, sampling.ignore_eos)
+        run = sequential(model, tokenizer, ids, n, max_tokens, sampling.ignore_eos)
+    return build_report(run, label=backend, target=backend, slos_ms={}), run
 
 
-def row(backend: str, n: int, report: Report, ceiling: float | None) -> dict[str, object]:
+def row(backend: str, n: int, report: Report, ceiling: float | None, run: RunResult) -> dict[str, object]:
+    done = [r for r in run.records if r.ok]
     return {
-        "backend": backend, "concurrency": n, "requests": report.completed, "failed": report.failed,
+        "backend": backend, "blas": blas_of(backend), "concurrency": n, "requests": report.completed,
+        "failed": report.failed, "stops": sum(r.finish_reason == "stop" for r in done),
+        "prompt_tokens_mean": report.total_input_tokens / max(1, report.completed),
+        "output_tokens_mean": report.total_output_tokens / max(1, report.completed),
+        "duration_s": report.duration_s,
         "output_tokens": report.total_output_tokens, "tok_s": report.output_throughput,
         "ratio_to_bare": report.output_throughput / ceiling if ceiling else None,
         "ttft_p50_ms": report.ttft_ms.median, "ttft_p99_ms": report.ttft_ms.p99,
@@ -233,13 +372,15 @@ def row(backend: str, n: int, report: Report, ceiling: float | None) -> dict[str
 
 def print_table(rows: list[dict[str, object]]) -> None:
     w = max(14, *(len(str(r["backend"])) for r in rows))
-    print(f"\n{'conc':>4} {'backend':<{w}} {'tok/s':>8} {'x bare':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'ITL p50':>8} {'ITL p99':>8} {'tokens':>7}")
+    b = max(8, *(len(str(r["blas"])) for r in rows))
+    print(f"\n{'conc':>4} {'backend':<{w}} {'BLAS':<{b}} {'tok/s':>8} {'x bare':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'ITL p50':>8} {'ITL p99':>8} {'tokens':>7} {'stops':>5} {'load':>9}")
     for r in rows:
         ratio = "-" if r["ratio_to_bare"] is None else f"{r['ratio_to_bare']:.2f}"
-        print(f"{r['concurrency']:>4} {r['backend']:<{w}} {r['tok_s']:>8.1f} {ratio:>7} "
+        load = f"{r['load_before']:.1f}/{r['load_after']:.1f}"
+        print(f"{r['concurrency']:>4} {r['backend']:<{w}} {r['blas']:<{b}} {r['tok_s']:>8.1f} {ratio:>7} "
               f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f} {r['itl_p50_ms']:>8.1f} "
-              f"{r['itl_p99_ms']:>8.1f} {r['output_tokens']:>7}")
+              f"{r['itl_p99_ms']:>8.1f} {r['output_tokens']:>7} {r['stops']:>5} {load:>9}")
     print()
     for r in rows:
         ratios = ratios_of(r, rows)
@@ -259,7 +400,7 @@ def ratios_of(ours: dict[str, object], rows: list[dict[str, object]]) -> dict[st
     inproc = same.get("scheduler" + str(ours["backend"])[len(name):])
     if name in SERVED and inproc is not None and float(inproc["tok_s"]) > 0:  # type: ignore[arg-type]
         out["tok/s / in-process"] = tok / float(inproc["tok_s"])  # type: ignore[arg-type]
-    for peer in ("mlx_lm.server", "vllm-mlx"):
+    for peer in ("mlx_lm.server", "mlx_lm.server-installed", "vllm-mlx", "llama.cpp"):
         other = same.get(peer)
         if other is not None and float(other["tok_s"]) > 0:  # type: ignore[arg-type]
             out[f"tok/s / {peer}"] = tok / float(other["tok_s"])  # type: ignore[arg-type]
@@ -309,7 +450,16 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--waves", type=int, default=2, help="requests per level = max(8, waves x concurrency)")
+    ap.add_argument("--waves", type=int, default=2,
+                    help="requests per level = max(--min-requests, waves x concurrency)")
+    ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--warm-requests", type=int, default=0,
+                    help="requests of the untimed warm-up wave (0: max(8, concurrency))")
+    ap.add_argument("--eos", choices=("ignore", "natural"), default="ignore",
+                    help="ignore: every request runs to --max-tokens (where the backend can); natural: "
+                         "chat prompts that end at EOS (--prompt-tokens sizes the passage in them)")
+    ap.add_argument("--llama-cpp", metavar="PYTHON",
+                    help="the python of a venv with llama-cpp-python[server]; adds the llama.cpp backend")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of each backend, interleaved; the table keeps each one's best (noisy hosts)")
     ap.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS),
@@ -325,17 +475,44 @@ def main() -> None:
     args = ap.parse_args()
     if args.vllm_mlx and "vllm-mlx" not in args.backends:
         args.backends.append("vllm-mlx")
+    if args.llama_cpp and "llama.cpp" not in args.backends:
+        args.backends.append("llama.cpp")
     for b in args.backends:
         if b.partition(":")[0] not in BACKENDS:
             ap.error(f"unknown backend {b!r}; known: {', '.join(BACKENDS)}")
     if "vllm-mlx" in args.backends and not args.vllm_mlx:
         ap.error("the vllm-mlx backend needs --vllm-mlx PATH (its executable, in a venv of its own)")
+    if "llama.cpp" in args.backends and not args.llama_cpp:
+        ap.error("the llama.cpp backend needs --llama-cpp PYTHON (of a venv with llama-cpp-python[server])")
 
     import mlx.core as mx
 
-    model_dir = no_eos_model(args.model, args.cache_dir)
+    synthetic = parse_synthetic(args.model) is not None
+    natural = args.eos == "natural"
+    sampling = NATURAL if natural else GREEDY
+    # A synthetic model never stops when its EOS rows are zero; a real one keeps its weights
+    # (float32, dequantized) and gets ignore_eos instead.
+    if synthetic:
+        model_dir = resolve_model(args.model, args.cache_dir) if natural else no_eos_model(args.model, args.cache_dir)
+    else:
+        model_dir = f32_model(args.model, args.cache_dir)
+    llama_cpp = None
+    if args.llama_cpp:
+        from workers.named import NAMED_MODELS, named_gguf
+
+        gguf = named_gguf(args.model, args.cache_dir) if args.model in NAMED_MODELS else Path(args.model)
+        if gguf.suffix != ".gguf":
+            ap.error("the llama.cpp backend needs a named model or a .gguf file")
+        llama_cpp = (args.llama_cpp, gguf)
     codec = datasets.load_codec(model_dir)
     maker = datasets.PromptMaker(codec)
+
+    def workload(num: int, seed: int) -> list[datasets.RequestSpec]:
+        if natural:
+            return natural_specs(model_dir, maker, num, args.prompt_tokens, args.max_tokens, seed)
+        return datasets.build("random", maker, num_prompts=num, input_len=args.prompt_tokens,
+                              output_len=args.max_tokens, seed=seed)
+
     in_process = {"bare", "sequential"} & {b.partition(":")[0] for b in args.backends}
     # Only the bare loop and stream_generate use a model in this process (an 8B one is 16 GB).
     model, tokenizer = load_model(str(model_dir)) if in_process else (None, None)
@@ -346,35 +523,36 @@ def main() -> None:
     tmp = out.parent / (out.stem + "-logs")  # server configs and logs
     tmp.mkdir(parents=True, exist_ok=True)
     for n in args.concurrency:
-        count = max(8, args.waves * n)
+        count = max(args.min_requests, args.waves * n)
         best: dict[str, dict[str, object]] = {}
-        warm_specs = datasets.build("random", maker, num_prompts=max(8, n), input_len=args.prompt_tokens,
-                                    output_len=args.max_tokens, seed=args.seed + n + 10**6)
+        warm_specs = workload(args.warm_requests or max(8, n), args.seed + n + 10**6)
         warm = (warm_specs, [codec.encode(s.prompt) for s in warm_specs])
         for rep in range(args.repeat):
             # Fresh prompts each repetition, so no server-side prompt cache can help a repeat.
-            specs = datasets.build("random", maker, num_prompts=count, input_len=args.prompt_tokens,
-                                   output_len=args.max_tokens, seed=args.seed + n + 1000 * rep)
-            assert all(s.prompt_tokens == args.prompt_tokens for s in specs), "prompt lengths differ"
+            specs = workload(count, args.seed + n + 1000 * rep)
+            assert natural or all(s.prompt_tokens == args.prompt_tokens for s in specs), "prompt lengths differ"
             ids = [codec.encode(s.prompt) for s in specs]
             for backend in args.backends:
                 # Every HTTP run is a fresh server process and every scheduler run a fresh
                 # Scheduler: each gets its warm-up.
                 fresh = backend.partition(":")[0] in (*HTTP_BACKENDS, "scheduler")
                 cold = args.warmup and (rep == 0 or fresh)
-                report = run_backend(backend, model, tokenizer, model_dir, specs, ids, n, args.max_tokens,
-                                     warm if cold else None, args.vllm_mlx, tmp)
+                load_before_run = os.getloadavg()[0]
+                report, run = run_backend(backend, model, tokenizer, model_dir, specs, ids, n, args.max_tokens,
+                                          warm if cold else None, args.vllm_mlx, tmp, sampling, llama_cpp)
                 ceiling = best["bare"]["tok_s"] if "bare" in best else None
-                r = row(backend, n, report, ceiling)
+                r = row(backend, n, report, ceiling, run)
                 r["repeat"] = rep
+                r["load_before"], r["load_after"] = load_before_run, os.getloadavg()[0]
                 runs.append(r)
                 if backend not in best or r["tok_s"] > best[backend]["tok_s"]:
                     best[backend] = r
                 print(f"  c={n:<3d} {backend:<16} {r['tok_s']:8.1f} tok/s  TTFT p99 {r['ttft_p99_ms']:8.1f} ms  "
-                      f"ITL p99 {r['itl_p99_ms']:7.1f} ms  tokens {r['output_tokens']}  "
+                      f"ITL p99 {r['itl_p99_ms']:7.1f} ms  tokens {r['output_tokens']}  stops {r['stops']}  "
                       f"load {os.getloadavg()[0]:.1f}", flush=True)
                 expected = count * args.max_tokens
-                if report.total_output_tokens != expected or report.failed:
+                may_stop = natural or (not synthetic and backend.partition(":")[0] in NO_IGNORE_EOS)
+                if (report.total_output_tokens != expected and not may_stop) or report.failed:
                     print(f"    ! {backend}: {report.total_output_tokens} of {expected} tokens, "
                           f"{report.failed} failed: {report.errors}", flush=True)
         ceiling = float(best["bare"]["tok_s"]) if "bare" in best else None
@@ -385,12 +563,24 @@ def main() -> None:
     for r in rows:
         r["ratios"] = ratios_of(r, rows)
     print_table(rows)
+    state = blas_state()
     meta = {
-        "model": args.model, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "model": args.model, "model_dir": str(model_dir), "eos": args.eos,
+        "ignore_eos_unsupported": [b for b in args.backends if b in NO_IGNORE_EOS] if not natural else [],
+        "blas": {"library": state.library, "path": state.path, "threads": state.threads, "reason": state.reason,
+                 "peer_ld_preload": preload()},
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpu": _cpu_model(),
+        "nproc": len(os.sched_getaffinity(0)),
+        "min_requests": args.min_requests, "warm_requests": args.warm_requests,
+        "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
         "waves": args.waves, "repeat": args.repeat, "warmup": args.warmup, "device": str(mx.default_device()), "mlx": mx.__version__,
         "python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count(),
-        "openblas": os.environ.get("LD_PRELOAD", ""), "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "date": time.strftime("%Y-%m-%d"),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""), "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "date": time.strftime("%Y-%m-%d"),
     }
+    print(f"{meta['time']}  {meta['cpu']}, nproc {meta['nproc']}, {meta['machine']}  ours: {state.library} "
+          f"({state.threads} threads)  load avg before {load_before[0]:.2f} {load_before[1]:.2f} "
+          f"{load_before[2]:.2f}, after {meta['loadavg_after'][0]:.2f} {meta['loadavg_after'][1]:.2f} "
+          f"{meta['loadavg_after'][2]:.2f}")
     out.write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=2))
     png = out.with_suffix(".png")
     try:
@@ -400,6 +590,16 @@ def main() -> None:
         print(f"\nwrote {out} (no PNG: matplotlib is not installed)")
     del model
     gc.collect()  # MLX work in joined threads can abort the interpreter at exit otherwise
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import urllib.request
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
     from pathlib import Path
     from types import TracebackType
 
@@ -28,7 +29,9 @@ def free_port() -> int:
 class MlxLmServer:
     """`python -m mlx_lm server --model DIR --host 127.0.0.1 --port P ...` as a context manager:
     entering waits until `/health` answers (or raises with the server's log tail). `command`
-    runs another server instead (ours, vllm-mlx): its argv, with `{port}` for the port."""
+    runs another server instead (ours, vllm-mlx): its argv, with `{port}` for the port. `env` is
+    added to this process's environment for the server (e.g. LD_PRELOAD); `health_path` is the
+    URL that answers 200 once it is ready (llama-cpp-python's server has no /health)."""
 
     def __init__(
         self,
@@ -40,6 +43,8 @@ class MlxLmServer:
         log_path: Path | None = None,
         start_timeout_s: float = 120.0,
         command: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        health_path: str = "/health",
     ) -> None:
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
@@ -48,6 +53,8 @@ class MlxLmServer:
             "--port", str(self.port), "--decode-concurrency", str(decode_concurrency),
             "--prompt-concurrency", str(prompt_concurrency), "--log-level", "WARNING", *extra_args,
         ] if command is None else [a.replace("{port}", str(self.port)) for a in command]
+        self._env = None if env is None else {**os.environ, **env}
+        self._health = health_path
         self._log_path = log_path
         self._timeout = start_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
@@ -56,7 +63,7 @@ class MlxLmServer:
     def __enter__(self) -> MlxLmServer:
         out = (self._log.enter_context(open(self._log_path, "wb")) if self._log_path is not None
                else subprocess.DEVNULL)
-        self._proc = subprocess.Popen(self._args, stdout=out, stderr=subprocess.STDOUT)
+        self._proc = subprocess.Popen(self._args, stdout=out, stderr=subprocess.STDOUT, env=self._env)
         try:
             self._wait_ready()
         except BaseException:
@@ -77,7 +84,7 @@ class MlxLmServer:
                 name = " ".join(self._args[:4])
                 raise RuntimeError(f"{name} exited with {self._proc.returncode}{self._tail()}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                with urllib.request.urlopen(self.url + self._health, timeout=2) as resp:
                     if resp.status == 200:
                         return
             except (urllib.error.URLError, OSError):
