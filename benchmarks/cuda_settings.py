@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Before the functions below import MLX: OpenBLAS (workers/blas.py) binds only if loaded first.
+import workers  # noqa: F401
+
 SETTINGS: dict[str, dict[str, str]] = {
     "default": {},
     "graphs_off": {"MLX_USE_CUDA_GRAPHS": "0"},

@@ -26,6 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# First: OpenBLAS (workers/blas.py) binds only if it is loaded before MLX.
+import workers  # noqa: F401
+
+# isort: split
 import mlx.core as mx
 
 from workers.models import load_model

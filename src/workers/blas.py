@@ -12,6 +12,11 @@ needs `libgfortran.so.5`, which a bare machine may lack; numpy's wheel carries o
 renamed SONAME, so a copy whose SONAME says `libgfortran.so.5` again is written into the model
 cache and loaded first. Nothing here raises: every failure leaves the bundled BLAS in place and
 says why in `blas_state()`.
+
+Settings (environment, read once, when `workers` is first imported):
+- `MLX_SCHEDULER_BLAS=bundled` (or `off`): leave MLX's own BLAS alone.
+- `MLX_SCHEDULER_BLAS_THREADS=N`: OpenBLAS's threads; `default`: OpenBLAS's own choice
+  (OPENBLAS_NUM_THREADS, else every CPU). Unset: `default_threads()`.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ import msgspec
 from workers.cachedir import cache_root
 
 BLAS_ENV = "MLX_SCHEDULER_BLAS"
-""""openblas" (the default) or "bundled" (leave MLX's own BLAS alone)."""
+""""openblas" (the default), or "bundled" / "off" (leave MLX's own BLAS alone)."""
 THREADS_ENV = "MLX_SCHEDULER_BLAS_THREADS"
-"""OpenBLAS threads; default: the CPUs this process may use, at most 4."""
+"""OpenBLAS's threads: a number, or "default" for OpenBLAS's own choice (OPENBLAS_NUM_THREADS,
+else every CPU); unset: `default_threads()`, unless OPENBLAS_NUM_THREADS is set."""
 WHEEL = "ngsolve-openblas"
 MAX_DEFAULT_THREADS = 4
 _GFORTRAN = "libgfortran.so.5"
@@ -57,9 +63,9 @@ _loaded: list[str] = []
 
 def preload() -> str:
     """An LD_PRELOAD value that gives a child process (a peer server in a benchmark) the BLAS
-    this process runs on; "" when it runs on the bundled one."""
-    load_openblas()
-    return " ".join(_loaded)
+    this process runs on; "" when it runs on the bundled one (a failed load may have left a
+    libquadmath or libgfortran alone in `_loaded`: no use to anyone)."""
+    return " ".join(_loaded) if load_openblas().library == "openblas" else ""
 
 
 def blas_state() -> BlasState:
@@ -117,8 +123,12 @@ def _open(library: Path) -> ctypes.CDLL:
     except OSError as e:
         if _GFORTRAN not in str(e):
             raise
-    _load_gfortran()
-    return _dlopen(library)
+        first = e
+    try:
+        _load_gfortran()
+        return _dlopen(library)
+    except OSError as e:  # both errors: the first says what was missing, this why the fallback failed
+        raise OSError(f"{first}; {e}") from e
 
 
 def _dlopen(path: Path) -> ctypes.CDLL:
@@ -128,14 +138,29 @@ def _dlopen(path: Path) -> ctypes.CDLL:
 
 
 def _threads() -> int:
-    value = os.environ.get(THREADS_ENV, "").strip()
-    if value:
-        try:
-            return max(1, int(value))
-        except ValueError:
-            return 0
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(usable, MAX_DEFAULT_THREADS)
+    """The count to set; 0 leaves OpenBLAS's own (OPENBLAS_NUM_THREADS, else every CPU)."""
+    value = os.environ.get(THREADS_ENV, "").strip().lower()
+    if value in ("default", "0"):
+        return 0
+    if value.isdigit():
+        return int(value)
+    if os.environ.get("OPENBLAS_NUM_THREADS", "").strip():
+        return 0  # OpenBLAS read it when it loaded: the user's choice stands
+    return default_threads()
+
+
+def default_threads() -> int:
+    """One thread fewer than the usable CPUs, at least 1, at most 4. The event loop (HTTP,
+    tokenizer, detokenizer) needs a core beside MLX's, and an OpenBLAS thread that has to wait
+    for a core stalls the whole product: on 2 busy cores, 2 threads ran decode-sized matmuls
+    15x slower than 1 (benchmarks/blas.py)."""
+    return max(1, min(_usable_cpus() - 1, MAX_DEFAULT_THREADS))
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):  # Linux: the CPUs this process may run on (taskset, cgroups)
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _load_gfortran() -> None:
