@@ -1,17 +1,18 @@
 """OpenBLAS under MLX's CPU backend on Linux, loaded before MLX.
 
 The Linux `mlx[cpu]` wheel bundles netlib's reference BLAS: float32 matmuls run at about
-8 GFLOP/s. MLX looks `cblas_sgemm` up through the process's global symbol scope, so an OpenBLAS
-loaded with RTLD_GLOBAL *before* `mlx.core` is imported takes its place (150-460 GFLOP/s on our
-2-core machines). Loaded after MLX it changes nothing, so `workers/__init__.py` calls
-`load_openblas()` before any of our modules imports MLX.
+3-8 GFLOP/s. MLX looks `cblas_sgemm` up through the process's global symbol scope, so an OpenBLAS
+loaded with RTLD_GLOBAL *before* `mlx.core` is imported takes its place (60-80 GFLOP/s a thread
+on our 2-core AVX2 machines, 110-135 on two when idle). Loaded after MLX it changes nothing
+(MLX's symbols are bound when it loads), so `workers/__init__.py` calls `load_openblas()`
+before any of our modules imports MLX.
 
 The library comes from the `ngsolve-openblas` wheel (BSD-3-Clause, built for every x86-64 core
-type at once; `cmeel-openblas` is built for AVX-512 only and dies with SIGILL on other CPUs). It
-needs `libgfortran.so.5`, which a bare machine may lack; numpy's wheel carries one under a
-renamed SONAME, so a copy whose SONAME says `libgfortran.so.5` again is written into the model
-cache and loaded first. Nothing here raises: every failure leaves the bundled BLAS in place and
-says why in `blas_state()`.
+type at once; `cmeel-openblas` 0.3.31 is built for SKYLAKEX only and dies with SIGILL on AVX2
+CPUs such as ours, and its aarch64 wheel for NEOVERSEN2 only). It needs `libgfortran.so.5`,
+which a bare machine may lack; numpy's wheel carries one under a renamed SONAME, so a copy whose
+SONAME says `libgfortran.so.5` again is written into the model cache and loaded first. Nothing
+here raises: every failure leaves the bundled BLAS in place and says why in `blas_state()`.
 
 Settings (environment, read once, when `workers` is first imported):
 - `MLX_SCHEDULER_BLAS=bundled` (or `off`): leave MLX's own BLAS alone.
@@ -151,9 +152,10 @@ def _threads() -> int:
 
 def default_threads() -> int:
     """One thread fewer than the usable CPUs, at least 1, at most 4. The event loop (HTTP,
-    tokenizer, detokenizer) needs a core beside MLX's, and an OpenBLAS thread that has to wait
-    for a core stalls the whole product: on 2 busy cores, 2 threads ran decode-sized matmuls
-    15x slower than 1 (benchmarks/blas.py)."""
+    tokenizer, detokenizer) needs a core beside MLX's, and an OpenBLAS thread that waits for a
+    core stalls the whole product. On 2 cores (benchmarks/blas.py, SmolLM2 float32, 16 streams):
+    idle, 2 threads gave 48 tok/s against 38 with 1; beside one busy process, 21 against 39; on
+    a loaded machine (load 3-5), 4-7 against 19-28."""
     return max(1, min(_usable_cpus() - 1, MAX_DEFAULT_THREADS))
 
 
