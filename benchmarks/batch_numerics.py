@@ -1,6 +1,6 @@
 """Greedy output of mlx-lm's bare `BatchGenerator` against mlx-lm alone, by batching pattern.
 
-Issue 13 saw 2 of 12 greedy 150-token outputs of a 4-bit gemma3 model differ from mlx-lm alone
+We once saw 2 of 12 greedy 150-token outputs of a 4-bit gemma3 model differ from mlx-lm alone
 under the scheduler's default `step_token_budget = "auto"`. This script takes the scheduler out:
 each prompt alone (`generate_step`) is the reference, then the bare `BatchGenerator` runs the same
 prompts (a) one at a time, (b) six of one length together, (c) six of mixed lengths together,
@@ -40,7 +40,7 @@ def _layered() -> Any:
 def models(cache: Path) -> dict[str, Path]:
     from mlx_lm import convert
 
-    from workers.models import resolve_model
+    from workers.loading.models import resolve_model
 
     layered = _layered()
     out = {f"gemma3 {d}": layered.build("gemma3", cache, dtype=d) for d in ("float32", "bfloat16")}
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--out", default="benchmarks/results/batch_numerics.json")
     args = ap.parse_args(argv)
-    from workers import synthetic
+    from workers.loading import synthetic
 
     cache = synthetic.cache_root(args.cache_dir)
     results: dict[str, Any] = {}

@@ -5,7 +5,7 @@ prefill/decode tok/s through `mlx_lm.stream_generate`, each configuration in a f
 Matmuls (float32, best of a few timed runs after one warm-up): 1024x1024x1024, decode-sized
 [64,576]x[576,1536] and prefill-sized [512,576]x[576,1536], on the bundled reference BLAS
 (MLX_SCHEDULER_BLAS=bundled), OpenBLAS 1 thread and OpenBLAS 2 threads.
-SmolLM2 (`workers.models.load`, one greedy stream, the figures `stream_generate` reports):
+SmolLM2 (`workers.loading.models.load`, one greedy stream, the figures `stream_generate` reports):
 float32 dequantized on OpenBLAS, the same on the bundled BLAS, 4-bit kept quantized with float32
 scales (dequantize="no") on OpenBLAS, and float16 on OpenBLAS (MLX's CPU backend has no fast
 float16 path: capped at --f16-tokens tokens and a short prompt). The load average (as `uptime`
@@ -36,7 +36,7 @@ SHAPES: dict[str, tuple[int, int, int]] = {  # (M, K, N)
     "decode [64,576]x[576,1536]": (64, 576, 1536),
     "prefill [512,576]x[576,1536]": (512, 576, 1536),
 }
-# name -> (environment, workers.models.load keyword arguments)
+# name -> (environment, workers.loading.models.load keyword arguments)
 MODEL_CONFIGS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
     "float32 dequantized, openblas": ({}, {"dtype": "float32", "dequantize": "yes"}),
     "float32 dequantized, bundled": ({"MLX_SCHEDULER_BLAS": "bundled"}, {"dtype": "float32", "dequantize": "yes"}),
@@ -83,7 +83,7 @@ def child_model(seed: int, model: str, load_kwargs: dict[str, str], prompt_token
 
     import workers  # noqa: F401
     from workers.blas import blas_state
-    from workers.models import load
+    from workers.loading.models import load
 
     mx.random.seed(seed)
     loaded = load(model, **load_kwargs)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Scale-out (issue 16): N scheduler replicas on Ray Serve behind one port, through HTTP.
+"""Scale-out: N scheduler replicas on Ray Serve behind one port, through HTTP.
 
 (a) Prefix routing: `--prefixes` distinct prefixes of `--prefix-tokens` tokens, each request one
     of them (uniform) plus a unique suffix; greedy, `--max-tokens` tokens, `--concurrency` in
@@ -36,7 +36,7 @@ import httpx
 import msgspec
 
 from scheduler import Scheduler, SchedulerConfig
-from scheduler.cluster.app import APP_NAME, deploy, pick_device, start_ray
+from scheduler.serving.cluster.app import APP_NAME, deploy, pick_device, start_ray
 
 BASE = """
 [model]

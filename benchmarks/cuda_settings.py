@@ -60,7 +60,7 @@ def decode_ms(model: Any, b: int, prompt_tokens: int, mask_free: bool, warmup: i
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
-    from workers.maskfree import MaskFreeDecode
+    from workers.batching.maskfree import MaskFreeDecode
 
     rng = random.Random(seed)
     vocab = model.args.vocab_size
@@ -181,7 +181,7 @@ def quant_step_ms(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     def layers_only(path: str, module: Any) -> bool:
         return isinstance(module, nn.Linear) and "lm_head" not in path
 
-    from workers.quantfold import fold_decode_batch
+    from workers.batching.quantfold import fold_decode_batch
 
     stages = [("bf16", None), ("layers 4-bit", layers_only), ("all 4-bit", lambda p, m: hasattr(m, "to_quantized")),
               ("all 4-bit, folded", "fold")]
@@ -208,7 +208,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
 
     from scheduler import SchedulerConfig
-    from workers.models import load_model
+    from workers.loading.models import load_model
 
     sys.path.insert(0, str(HERE))
     from overhead import bare_loop, make_prompts

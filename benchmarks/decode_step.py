@@ -32,7 +32,7 @@ import workers  # noqa: F401
 # isort: split
 import mlx.core as mx
 
-from workers.models import load_model
+from workers.loading.models import load_model
 
 # The compiled-decode experiment lives beside this script (also when run with `python -P`).
 sys.path.insert(0, str(Path(__file__).resolve().parent))

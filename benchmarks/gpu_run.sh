@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU figures (issue 8): run on the device machine after ../shared/gpu/stage's two calls.
+# The GPU figures: run on the device machine after ../shared/gpu/stage's two calls.
 #   bash .gpu-b/install.sh && . /tmp/gpu-env.sh && bash benchmarks/gpu_run.sh [stage...]
 # Stages (default: decode overhead peers-low peers-high), each for every model in $MODELS:
 #   decode      benchmarks/decode_step.py --profile (llama-3.2-1b only: the issue's shape)
@@ -9,7 +9,7 @@
 #               take minutes per level: one request at a time)
 #   attribute   benchmarks/overhead.py --attribute at 64: where our time per step goes, and the
 #               ratio without the lag ticker (not a default stage)
-# Issue 15's stages (not default; `bash benchmarks/gpu_run.sh quant settings single settings-8b`):
+# More stages (not default; `bash benchmarks/gpu_run.sh quant settings single settings-8b`):
 #   quant       benchmarks/cuda_settings.py --quant: an 8B layer's matmuls, bf16 against 4-bit
 #   settings    benchmarks/cuda_settings.py: CUDA graphs on/off, ops per graph; bare decode step
 #               (masked, mask-free) and bare loop / scheduler tok/s at 1 8 64 256 streams
@@ -29,9 +29,8 @@
 #               the GPU (qwen2.5-0.5b only: its step is host-bound). Not a default stage; needs
 #               ray[serve] (the cluster extra) staged by benchmarks/stage_ray.sh in two halves
 #               (Ray's wheels are ~117 MB, over one call's carry): two more calls, see its header.
-#   served      benchmarks/peers.py at 1 8 64: our server over HTTP (the scheduler in its process,
-#               and in a child: served-process) beside the in-process scheduler and mlx_lm.server,
-#               one client for all (issue 19: served >= 0.97x in-process at 64)
+#   served      benchmarks/peers.py at 1 8 64: our server over HTTP beside the in-process
+#               scheduler and mlx_lm.server, one client for all (the served path should keep >= 0.97x of in-process at 64)
 #   served-8b   the same for Llama-3.1-8B's shape (benchmarks/shapes.py builds it, ~16 GB, once),
 #               served and mlx_lm.server only (not a default stage; run once, not per model)
 # Writes JSON and a log under $OUT (or benchmarks/results/gpu).
@@ -50,7 +49,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import sys, mlx.core as mx, mlx_lm, transformers; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, "transformers", transformers.__version__, "python", sys.version.split()[0], mx.default_device(), mx.device_info().get("device_name"))'
 for m in "${models[@]}"; do
   echo "=== $(date +%T) build synthetic:$m"
-  timeout "$limit" python3 -c "import time; t=time.time(); from workers.models import resolve_model; print(resolve_model('synthetic:$m'), round(time.time()-t,1), 's')"
+  timeout "$limit" python3 -c "import time; t=time.time(); from workers.loading.models import resolve_model; print(resolve_model('synthetic:$m'), round(time.time()-t,1), 's')"
 done
 for s in "${stages[@]}"; do
   for m in "${models[@]}"; do
@@ -71,7 +70,7 @@ for s in "${stages[@]}"; do
           --backends bare scheduler mlx_lm.server --out "$out/peers-high-$m.json" ;;
       served)
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency ${SERVED_CONC:-1 8 64} \
-          --warmup 1 --repeat ${REPEAT:-1} --backends ${SERVED_BACKENDS:-scheduler served served-process mlx_lm.server} \
+          --warmup 1 --repeat ${REPEAT:-1} --backends ${SERVED_BACKENDS:-scheduler served mlx_lm.server} \
           --out "$out/served-$m.json" ;;
       served-8b)
         [ "$m" = "${models[0]}" ] || continue

@@ -95,8 +95,9 @@ async def _run(config: SchedulerConfig, work: list[tuple[list[int], SamplingPara
 
 def part_d(cache_dir: str | None, requests: int, budget_mib: float, seed: int,
            poll_ms: float = 5.0) -> dict[str, Any]:
-    from workers import factory, synthetic
-    from workers.models import load_model, model_info
+    from workers import factory
+    from workers.loading import synthetic
+    from workers.loading.models import load_model, model_info
 
     layered = _layered()
     real = factory.model_info

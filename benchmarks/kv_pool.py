@@ -1,4 +1,4 @@
-"""The KV pool (issue #4): prefix reuse, reserve against on-demand memory, and session caches.
+"""The KV pool: prefix reuse, reserve against on-demand memory, and session caches.
 
 One run, three parts, each side by side on fresh `Scheduler`s with the same config but the one
 setting under test; a table, JSON (`--out`) and a PNG with a panel per part (`--png`).
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--parts: a comma list of a, b, c, d; got {args.parts!r}")
     configure_logging(level="warning")
 
-    from workers.models import load_model, model_info
+    from workers.loading.models import load_model, model_info
 
     model, tokenizer = load_model(args.model, args.cache_dir)
     info = model_info(model, tokenizer, args.model)

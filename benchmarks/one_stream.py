@@ -1,4 +1,4 @@
-"""One stream: where its TTFT and its time per token go (issue 15).
+"""One stream: where its TTFT and its time per token go.
 
 In one process, one request at a time (prompt 128 tokens, 32 greedy tokens), medians over N
 requests after warm-up:
@@ -45,14 +45,14 @@ def main() -> None:
     from mlx_lm.generate import BatchGenerator
 
     import kvpool.pool as pool_mod
-    import scheduler.core as core_mod
-    import workers.engine as engine_mod
+    import scheduler.admission.core as core_mod
+    import workers.batching.engine as engine_mod
     import workers.worker as worker_mod
     from scheduler import SamplingParams, Scheduler
-    from scheduler.bench import datasets
+    from scheduler.cli.bench import datasets
     from scheduler.config import SchedulerConfig
+    from workers.loading.models import load_model
     from workers.messages import Admit, SamplingSpec
-    from workers.models import load_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="synthetic:tiny", help="synthetic:NAME or a model directory")

@@ -133,7 +133,7 @@ def main() -> None:
 
     import mlx.core as mx
 
-    from workers.models import load_model, model_info
+    from workers.loading.models import load_model, model_info
 
     model, tokenizer = load_model(args.model)
     info = model_info(model, tokenizer, args.model)

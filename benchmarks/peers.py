@@ -2,7 +2,7 @@
 
 (a) `bare`: a `BatchGenerator` tight loop (the ceiling), (b) `scheduler`: our `Scheduler`
 in-process (the embedding API, no HTTP), (c) `served`: `mlx-scheduler serve` in a process of its
-own (`served-process`: with `--engine-process`, the scheduler in a child of the HTTP process), (d) `mlx_lm.server` and (e) `vllm-mlx` (with --vllm-mlx, the `vllm-mlx` executable of a
+own, (d) `mlx_lm.server` and (e) `vllm-mlx` (with --vllm-mlx, the `vllm-mlx` executable of a
 separate venv), each started here on 127.0.0.1 and driven over HTTP by one and the same streaming
 client, (f) `sequential`: `mlx_lm.stream_generate`, one request at a time (FIFO). (c) runs with
 the same [worker]/[kvpool] settings as (b), so `served / scheduler` is what HTTP costs.
@@ -46,21 +46,21 @@ from pathlib import Path
 import anyio
 
 from scheduler import Scheduler, SchedulerConfig
-from scheduler.bench import datasets
-from scheduler.bench.mlxlm import MlxLmServer
-from scheduler.bench.report import Report, build_report
-from scheduler.bench.runner import Load, RunResult, run_load
-from scheduler.bench.targets import OpenAITarget, Record, Sampling, SchedulerTarget
+from scheduler.cli.bench import datasets
+from scheduler.cli.bench.mlxlm import MlxLmServer
+from scheduler.cli.bench.report import Report, build_report
+from scheduler.cli.bench.runner import Load, RunResult, run_load
+from scheduler.cli.bench.targets import OpenAITarget, Record, Sampling, SchedulerTarget
 from workers.blas import blas_state, preload
-from workers.models import load_model, parse_synthetic, resolve_model
+from workers.loading.models import load_model, parse_synthetic, resolve_model
 
-BACKENDS = ("bare", "scheduler", "served", "served-process", "mlx_lm.server", "mlx_lm.server-installed",
+BACKENDS = ("bare", "scheduler", "served", "mlx_lm.server", "mlx_lm.server-installed",
             "vllm-mlx", "llama.cpp", "sequential")
 DEFAULT_BACKENDS = ("bare", "scheduler", "served", "mlx_lm.server", "sequential")
-HTTP_BACKENDS = ("served", "served-process", "mlx_lm.server", "mlx_lm.server-installed", "vllm-mlx",
+HTTP_BACKENDS = ("served", "mlx_lm.server", "mlx_lm.server-installed", "vllm-mlx",
                  "llama.cpp")
-SERVED = ("served", "served-process")
-"""Ours over HTTP: the scheduler in the server's process, or in a child (`--engine-process`)."""
+SERVED = ("served",)
+"""Ours over HTTP: `mlx-scheduler serve` in a process of its own."""
 NO_IGNORE_EOS = ("mlx_lm.server", "mlx_lm.server-installed", "llama.cpp")
 """Peers whose API has no `ignore_eos`: with --eos ignore their requests may still stop at EOS."""
 GREEDY = Sampling(temperature=0.0, ignore_eos=True)
@@ -116,7 +116,7 @@ def f32_model(name: str, cache_dir: str | None) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from workers.models import load
+    from workers.loading.models import load
 
     src = resolve_model(name, cache_dir)
     dst = src.with_name(src.name + "-f32")
@@ -263,11 +263,10 @@ KV_MEMORY = os.environ.get("PEERS_KV_MEMORY", "8GiB")
 """Our `[kvpool] memory` (weights included): 8GiB, unless the environment says otherwise."""
 
 
-def our_toml(model_dir: Path, n: int, worker: str, engine_process: bool = False) -> str:
+def our_toml(model_dir: Path, n: int, worker: str) -> str:
     """Our settings, the same in-process and served: defaults plus the batch sizes of the peers."""
     return (f'[model]\npath = "{model_dir}"\n[worker]\nmax_batch = {n}\nprefill_batch = 8\n{worker}\n'
-            f'[kvpool]\nmemory = "{KV_MEMORY}"\n[logging]\nlevel = "warning"\n'
-            f'[server]\nengine_process = {str(engine_process).lower()}\n')
+            f'[kvpool]\nmemory = "{KV_MEMORY}"\n[logging]\nlevel = "warning"\n')
 
 
 def http_server(backend: str, model_dir: Path, n: int, worker: str, vllm_mlx: str | None,
@@ -289,7 +288,7 @@ def http_server(backend: str, model_dir: Path, n: int, worker: str, vllm_mlx: st
                            env=env, health_path="/v1/models")
     if backend in SERVED:
         toml = tmp / f"{backend}-{n}.toml"
-        toml.write_text(our_toml(model_dir, n, worker, engine_process=backend == "served-process"))
+        toml.write_text(our_toml(model_dir, n, worker))
         cmd = [sys.executable, "-m", "scheduler.cli", "serve", "--config", str(toml),
                "--host", "127.0.0.1", "--port", "{port}"]
         return MlxLmServer(model_dir, command=cmd, log_path=tmp / f"{backend}-{n}.log", start_timeout_s=300)
@@ -498,7 +497,7 @@ def main() -> None:
         model_dir = f32_model(args.model, args.cache_dir)
     llama_cpp = None
     if args.llama_cpp:
-        from workers.named import NAMED_MODELS, named_gguf
+        from workers.loading.named import NAMED_MODELS, named_gguf
 
         gguf = named_gguf(args.model, args.cache_dir) if args.model in NAMED_MODELS else Path(args.model)
         if gguf.suffix != ".gguf":

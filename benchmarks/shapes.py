@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from workers.synthetic import SyntheticSpec, cache_root, write_model
+from workers.loading.synthetic import SyntheticSpec, cache_root, write_model
 
 SHAPES: dict[str, SyntheticSpec] = {
     "llama-3.1-8b": SyntheticSpec(

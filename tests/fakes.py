@@ -8,14 +8,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from workers.engine import StepResult
+from workers.batching.engine import StepResult
 from workers.factory import Loaded
-from workers.models import ModelInfo
+from workers.loading.models import ModelInfo
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from workers.budget import PrefillBudget
+    from workers.batching.budget import PrefillBudget
     from workers.messages import Admit, Key
 
 VOCAB = 64

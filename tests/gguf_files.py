@@ -356,7 +356,7 @@ def transformers_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 def _read_gguf_metadata(path: str, string_arrays: object = ()) -> tuple[dict[str, object], tuple[str, ...]]:
     from pathlib import Path
 
-    from workers.gguf.header import read_header
+    from workers.loading.gguf.header import read_header
 
     header = read_header(Path(path))
     return dict(header.metadata), tuple(header.tensors)

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from workers import synthetic
+from workers.loading import synthetic
 
 VOCAB = 1024
 _GEMMA_TEXT: dict[str, Any] = {

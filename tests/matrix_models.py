@@ -1,6 +1,6 @@
 """The model matrix: tiny random-weight models of every mlx-lm family the scheduler supports.
 
-Shapes come from mlx-lm's own Model classes (through `workers.synthetic.write_model`); each
+Shapes come from mlx-lm's own Model classes (through `workers.loading.synthetic.write_model`); each
 model is built once into the test cache. Kept tiny (2 layers, hidden 64) so that the whole
 matrix runs in `make test` on 2 CPU cores.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from workers import synthetic
+from workers.loading import synthetic
 
 _BASE = synthetic.SyntheticSpec(
     model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

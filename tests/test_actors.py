@@ -11,7 +11,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
-from scheduler.core import AdmissionCore
+from scheduler.admission.core import AdmissionCore
 from scheduler.errors import InvalidRequest, ModelLoadError, QueueFull, SchedulerClosed
 from tests.fakes import EOS, FakeEngine, fake_factory, fake_token
 from workers import worker as worker_module
@@ -20,7 +20,7 @@ from workers.worker import GPUWorker
 
 if TYPE_CHECKING:
     from scheduler.types import Chunk
-    from workers.engine import StepResult
+    from workers.batching.engine import StepResult
 
 pytestmark = pytest.mark.anyio
 

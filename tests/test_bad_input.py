@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
-from scheduler.cli import main
+from scheduler.cli.main import main
 from scheduler.errors import ConfigError, InvalidRequest
 
 if TYPE_CHECKING:

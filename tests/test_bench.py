@@ -14,19 +14,19 @@ import msgspec
 import pytest
 import structlog
 
-from scheduler.bench import datasets
-from scheduler.bench.mlxlm import MlxLmServer, free_port
-from scheduler.bench.report import Report, build_report, format_table, parse_goodput
-from scheduler.bench.runner import Load, RunResult, arrival_times, run_load
-from scheduler.bench.targets import Record, Sampling
-from scheduler.cli import main
-from workers.models import resolve_model
+from scheduler.cli.bench import datasets
+from scheduler.cli.bench.mlxlm import MlxLmServer, free_port
+from scheduler.cli.bench.report import Report, build_report, format_table, parse_goodput
+from scheduler.cli.bench.runner import Load, RunResult, arrival_times, run_load
+from scheduler.cli.bench.targets import Record, Sampling
+from scheduler.cli.main import main
+from workers.loading.models import resolve_model
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
-    from scheduler.bench.datasets import RequestSpec
+    from scheduler.cli.bench.datasets import RequestSpec
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ import pytest
 
 from kvpool.dense import LayerBytes, dense_bytes, padding_blocks
 from scheduler import SchedulerConfig
-from scheduler.kvplan import layer_bytes
+from scheduler.admission.kvplan import layer_bytes
 from tests import layered_models
 from tests.test_kvpool import memory_ratios
-from workers.models import model_info
+from workers.loading.models import model_info
 
 if TYPE_CHECKING:
     from pathlib import Path

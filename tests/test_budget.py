@@ -10,7 +10,7 @@ import pytest
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from tests.fakes import FakeEngine, fake_factory, fake_token
 from tests.test_integration import prompts
-from workers.budget import AUTO_INITIAL_TOKENS, AUTO_MIN_TOKENS, PrefillBudget
+from workers.batching.budget import AUTO_INITIAL_TOKENS, AUTO_MIN_TOKENS, PrefillBudget
 from workers.messages import Admit, SamplingSpec
 
 if TYPE_CHECKING:

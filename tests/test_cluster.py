@@ -23,8 +23,8 @@ import openai  # noqa: E402
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from scheduler.cluster.app import APP_NAME, deploy, start_ray  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
+from scheduler.serving.cluster.app import APP_NAME, deploy, start_ray  # noqa: E402
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -59,7 +59,7 @@ def _free_port() -> int:
 def cluster(model_cache: Path) -> Iterator[str]:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     config = SchedulerConfig.from_toml(TOML.format(cache=model_cache))
-    from workers.models import resolve_model
+    from workers.loading.models import resolve_model
 
     resolve_model(config.model.path, config.model.cache_dir)
     port = _free_port()
@@ -112,7 +112,7 @@ def test_bad_input_gets_the_single_process_errors(cluster: str) -> None:
 
 
 def test_a_prompt_too_long_for_the_context_is_refused_by_its_length(cluster: str) -> None:
-    """The frontend bounds tokenizing as `serve` does (issue 18): refused untokenized, by length."""
+    """The frontend bounds tokenizing as `serve` does: refused untokenized, by length."""
     long = "word " * 10_000  # 50,000 characters; tiny's bound is 2048 tokens x 13 characters
     r = complete(cluster, prompt=long)
     chat = httpx.post(f"{cluster}/v1/chat/completions", timeout=60,

@@ -1,4 +1,4 @@
-"""The cluster's routing decision (`scheduler.cluster.routing.choose`, pure) and the merged
+"""The cluster's routing decision (`scheduler.serving.cluster.routing.choose`, pure) and the merged
 Prometheus text. No Ray: these run everywhere."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from collections import Counter
 
 import pytest
 
-from scheduler.cluster.prom import label_replica, merge
-from scheduler.cluster.routing import Affinity, Load, Route, Thresholds, choose, overloaded
+from scheduler.admission.kvplan import prompt_keys
 from scheduler.config import SchedulerConfig
 from scheduler.errors import ConfigError
-from scheduler.kvplan import prompt_keys
+from scheduler.serving.cluster.prom import label_replica, merge
+from scheduler.serving.cluster.routing import Affinity, Load, Route, Thresholds, choose, overloaded
 
 LIMITS = Thresholds(balance_abs=4, balance_rel=1.5, prefix_min_blocks=1)
 
@@ -135,8 +135,8 @@ def test_prometheus_text_labelled_and_merged() -> None:
 def test_replicas_without_the_extra_say_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from scheduler.cli import build_parser
-    from scheduler.cluster import serve_replicas
+    from scheduler.cli.main import build_parser
+    from scheduler.serving.cluster import serve_replicas
 
     args = build_parser().parse_args(["serve", "--replicas", "2", "--model", "synthetic:tiny"])
     assert args.replicas == 2
@@ -170,9 +170,9 @@ class FakeGenerator:
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_full_replica_queue_is_429_and_a_dead_replica_an_error_chunk() -> None:
-    from scheduler.cluster.frontend import REPLICA_FAILED, RemoteStream
     from scheduler.errors import QueueFull
-    from scheduler.http.errors import from_scheduler
+    from scheduler.serving.cluster.frontend import REPLICA_FAILED, RemoteStream
+    from scheduler.serving.http.errors import from_scheduler
     from scheduler.types import Chunk
 
     full = RemoteStream(FakeGenerator([("error", "QueueFull", "the queue holds 8 requests")]), "r1")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 import pytest
@@ -12,16 +13,20 @@ from kvpool.books import BlockBooks
 from kvpool.messages import PoolReplies, Release, Reserve, Resize
 from kvpool.pool import apply_batch
 from metrics.observer import NullObserver
-from scheduler.chunks import chunk_channel
-from scheduler.core import AdmissionCore, Plan
+from scheduler.admission.core import AdmissionCore
+from scheduler.admission.kvplan import KVPlan
+from scheduler.admission.messages import Submit
 from scheduler.errors import QueueFull
-from scheduler.kvplan import KVPlan
-from scheduler.messages import Submit
 from scheduler.params import SamplingParams
 from scheduler.policies import make_policy
+from scheduler.request import Request
+from scheduler.streaming.chunks import chunk_channel
 from scheduler.types import Chunk
 from tests.fakes import EOS, FakeCodec
 from workers.messages import Abort, Admit, StepOutput, WorkerFailed
+
+if TYPE_CHECKING:
+    from scheduler.admission.plan import Plan
 
 
 @dataclass
@@ -56,8 +61,9 @@ class Harness:
         timeout = kw.pop("timeout", None)
         session = kw.pop("session", None)
         stream = kw.pop("stream", True)
-        msg = Submit(prompt, SamplingParams(max_tokens=max_tokens, **kw), 0, "t", timeout, now, session,  # type: ignore[arg-type]
-                     stream)  # type: ignore[arg-type]
+        request = Request(prompt=prompt, params=SamplingParams(max_tokens=max_tokens, **kw),  # type: ignore[arg-type]
+                          tenant="t", timeout=timeout, session=session)  # type: ignore[arg-type]
+        msg = Submit(request, prompt, now, stream)  # type: ignore[arg-type]
         rid = self.core.submit(msg, send, now)
         assert isinstance(rid, int), rid
         return rid
@@ -287,7 +293,7 @@ def test_the_queue_bound_counts_only_what_waits_beyond_free_slots() -> None:
     for i in range(3):  # two will be admitted by the next take, one waits
         h.submit([i + 1] * 5)
     send, _ = chunk_channel()
-    msg = Submit([9], SamplingParams(max_tokens=2), 0, "t", None, 0.0)
+    msg = Submit(Request(prompt=[9], params=SamplingParams(max_tokens=2), tenant="t"), [9], 0.0)
     with pytest.raises(QueueFull):
         raise h.core.submit(msg, send, 0.0)  # type: ignore[misc]
     assert h.core.counters.rejected == 1

@@ -11,10 +11,10 @@ from kvpool.books import BlockBooks, blocks_for
 from kvpool.pool import pool_blocks
 from metrics import percentile, summarize
 from scheduler import SamplingParams, SchedulerConfig
-from scheduler.detokenize import StopText
 from scheduler.errors import ConfigError, InvalidRequest
 from scheduler.policies import FCFS, make_policy
 from scheduler.policy import QueueItem
+from scheduler.streaming.detokenize import StopText
 
 
 def item(rid: int) -> QueueItem:

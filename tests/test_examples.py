@@ -15,7 +15,7 @@ import anyio
 import httpx
 import pytest
 
-from scheduler.http.app import create_app
+from scheduler.serving.http.app import create_app
 from tests.test_server import config, uvicorn_serving
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""GGUF files as models (workers.gguf): the same greedy tokens as the safetensors weights they
+"""GGUF files as models (workers.loading.gguf): the same greedy tokens as the safetensors weights they
 were written from, tokenizers that encode as their references do, clear errors for bad files
 (never a crash), and a conversion cache keyed by the file's version.
 
@@ -40,12 +40,12 @@ from tests.gguf_files import (
     transformers_gguf_tokenizer,
     write_gguf,
 )
-from workers import synthetic
-from workers.cachedir import ModelSourceError
-from workers.gguf import gguf_model_dir
-from workers.gguf.header import read_header
-from workers.models import LoadedModel, load, resolve_model
-from workers.named import named_gguf
+from workers.loading import synthetic
+from workers.loading.cachedir import ModelSourceError
+from workers.loading.gguf import gguf_model_dir
+from workers.loading.gguf.header import read_header
+from workers.loading.models import LoadedModel, load, resolve_model
+from workers.loading.named import named_gguf
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -408,7 +408,7 @@ def test_a_bad_file_is_a_clear_error_and_leaves_nothing_cached(
     assert_nothing_cached(tmp_path / "cache")
 
 
-_CONVERT = "import sys; from workers.gguf import gguf_model_dir; gguf_model_dir(sys.argv[1], sys.argv[2])"
+_CONVERT = "import sys; from workers.loading.gguf import gguf_model_dir; gguf_model_dir(sys.argv[1], sys.argv[2])"
 
 
 @pytest.mark.parametrize("keep", [4, 24], ids=["after-magic", "after-counts"])
@@ -423,15 +423,15 @@ def test_a_corrupt_header_is_an_error_not_a_crash(
     run = subprocess.run([sys.executable, "-c", _CONVERT, str(path), str(tmp_path / "cache")],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stderr[-2000:]
-    assert "workers.cachedir.ModelSourceError" in run.stderr
+    assert "workers.loading.cachedir.ModelSourceError" in run.stderr
     assert f"{str(path)!r} is not a valid GGUF file" in run.stderr
     assert_nothing_cached(tmp_path / "cache")
 
 
 _FUZZ = """
 import json, sys
-from workers.cachedir import ModelSourceError
-from workers.gguf import gguf_model_dir
+from workers.loading.cachedir import ModelSourceError
+from workers.loading.gguf import gguf_model_dir
 for path in sys.argv[2:]:
     try:
         gguf_model_dir(path, sys.argv[1])

@@ -253,8 +253,8 @@ def test_the_grace_period_ends_by_closing_the_scheduler_then_disconnecting_stuck
 
     import uvicorn
 
-    from scheduler.http import limits
-    from scheduler.http.shutdown import Gate
+    from scheduler.serving.http import limits
+    from scheduler.serving.http.shutdown import Gate
 
     class Transport:
         aborted = False
@@ -286,7 +286,7 @@ def test_long_prompts_tokenize_off_the_loop_on_bounded_threads() -> None:
 
     import anyio
 
-    from scheduler.http.prompts import INLINE_CHARS, Tokenizing
+    from scheduler.serving.http.prompts import INLINE_CHARS, Tokenizing
 
     loop_thread = threading.get_ident()
     lock = threading.Lock()

@@ -54,7 +54,7 @@ def reference_tokens(cache: Path, prompt: list[int], max_tokens: int) -> list[in
     import mlx.core as mx
     from mlx_lm import stream_generate
 
-    from workers.models import load_model
+    from workers.loading.models import load_model
 
     model, tokenizer = load_model("synthetic:tiny", cache)
     out = [r.token for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens)]

@@ -133,7 +133,7 @@ async def test_json_logs_are_one_object_a_line_and_respect_the_level(restore_str
 
 def test_importing_the_library_configures_no_logging() -> None:
     code = (
-        "import structlog, scheduler, scheduler.cli, scheduler.bench, metrics, workers, kvpool;"
+        "import structlog, scheduler, scheduler.cli.main, scheduler.cli.bench, metrics, workers, kvpool;"
         "assert not structlog.is_configured(), 'configured on import'"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -12,10 +12,10 @@ import pytest
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache
 
-from workers.engine import MLXEngine
-from workers.maskfree import MaskFreeDecode, check_mlx_lm
+from workers.batching.engine import MLXEngine
+from workers.batching.maskfree import MaskFreeDecode, check_mlx_lm
+from workers.loading.models import load_model
 from workers.messages import Admit, SamplingSpec
-from workers.models import load_model
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from tests import layered_models
-from workers.models import LayerCache, ModelSourceError, model_info
+from workers.loading.models import LayerCache, ModelSourceError, model_info
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -24,17 +24,17 @@ from structlog.testing import capture_logs
 
 from kvpool.dense import padding_blocks
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
-from scheduler.kvplan import layer_bytes
+from scheduler.admission.kvplan import layer_bytes
 from tests.matrix_models import WINDOW, MatrixModel, build, matrix
 from tests.test_kvpool import assert_idle, run_all
 from tests.test_metrics import parse, value
-from workers import synthetic
-from workers.models import resolve_model
+from workers.loading import synthetic
+from workers.loading.models import resolve_model
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from workers.models import ModelInfo
+    from workers.loading.models import ModelInfo
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 

@@ -1,4 +1,4 @@
-"""Synthetic random-weight models and model loading (workers.synthetic, workers.models)."""
+"""Synthetic random-weight models and model loading (workers.loading.synthetic, workers.loading.models)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from workers import cachedir, synthetic
-from workers.models import (
+from workers.loading import cachedir, synthetic
+from workers.loading.models import (
     LayerCache,
     ModelInfo,
     ModelSourceError,

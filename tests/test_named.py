@@ -11,9 +11,9 @@ import pytest
 
 from scheduler import Scheduler, SchedulerConfig
 from scheduler.errors import ModelLoadError
-from workers import named
-from workers.cachedir import ModelSourceError
-from workers.models import resolve_model
+from workers.loading import named
+from workers.loading.cachedir import ModelSourceError
+from workers.loading.models import resolve_model
 
 if TYPE_CHECKING:
     from pathlib import Path

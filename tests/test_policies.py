@@ -503,8 +503,8 @@ def test_a_bad_custom_policy_is_a_clear_error(config: SchedulerConfig, message: 
         make_policy(config.scheduler)
 
 
-def test_the_readme_shows_the_example_that_the_tests_run() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_show_the_example_that_the_tests_run() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     example = (ROOT / "examples" / "my_policy.py").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    blocks = [b for page in pages for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
     assert example in blocks

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 
 from scheduler import SchedulerConfig
+from scheduler.admission.kvplan import pool_size
 from scheduler.config import DEFAULT_MEMORY
 from scheduler.errors import ConfigError
-from scheduler.kvplan import pool_size
 from tests.fakes import fake_info
 from workers.factory import device_memory
 

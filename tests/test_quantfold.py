@@ -8,8 +8,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
-from workers.models import load_model, resolve_model
-from workers.quantfold import fold_decode_batch
+from workers.batching.quantfold import fold_decode_batch
+from workers.loading.models import load_model, resolve_model
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -14,16 +14,16 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
-from scheduler.demo import make_questions
-from scheduler.http.app import create_app
+from scheduler.cli.demo import make_questions
+from scheduler.serving.http.app import create_app
 from tests.test_server import uvicorn_serving
-from workers.models import load
-from workers.named import DEFAULT_MODEL
+from workers.loading.models import load
+from workers.loading.named import DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from workers.models import LoadedModel
+    from workers.loading.models import LoadedModel
 
 pytestmark = pytest.mark.anyio
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)

@@ -14,9 +14,9 @@ import pytest
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from scheduler.api import real_engine_factory
 from scheduler.errors import ModelLoadError, QueueFull, SchedulerClosed
+from tests.faults import FaultPlan, InjectedFault, with_faults
 from tests.test_actors import wait_idle
 from tests.test_integration import prompts
-from workers.faults import FaultPlan, InjectedFault, with_faults
 
 if TYPE_CHECKING:
     from pathlib import Path

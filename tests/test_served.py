@@ -1,4 +1,4 @@
-"""The served path (issue 19): `usage.prompt_tokens_details.cached_tokens` from prefix blocks and
+"""The served path: `usage.prompt_tokens_details.cached_tokens` from prefix blocks and
 sessions, in whole and streamed responses, and streams that coalesce what a slow reader has not
 taken yet into one write; on the real engine with the tiny model."""
 
@@ -12,8 +12,8 @@ import anyio
 import pytest
 
 from scheduler import SamplingParams, Scheduler
-from scheduler.http.app import create_app
-from scheduler.http.sse import coalesce
+from scheduler.serving.http.app import create_app
+from scheduler.serving.http.sse import coalesce
 from scheduler.types import Chunk
 from tests.test_actors import wait_idle
 from tests.test_server import completions_scope, config, events, served
@@ -119,9 +119,9 @@ async def test_the_benchmark_client_drives_our_server_process_like_the_peers(
     # peers.py's `served` backend: `mlx-scheduler serve` in its own process, the peers' client.
     import httpx
 
-    from scheduler.bench.datasets import RequestSpec
-    from scheduler.bench.mlxlm import MlxLmServer
-    from scheduler.bench.targets import OpenAITarget, Record, Sampling
+    from scheduler.cli.bench.datasets import RequestSpec
+    from scheduler.cli.bench.mlxlm import MlxLmServer
+    from scheduler.cli.bench.targets import OpenAITarget, Record, Sampling
 
     toml = tmp_path / "s.toml"
     toml.write_text(f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"\n'

@@ -16,8 +16,7 @@ import pytest
 import structlog
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
-from scheduler.http.app import create_app
-from scheduler.remote.client import EngineProcess
+from scheduler.serving.http.app import create_app
 from scheduler.types import Chunk
 from tests.serve_process import serve
 from tests.test_actors import wait_idle
@@ -221,22 +220,14 @@ async def test_queue_full_is_429_with_retry_after(model_cache: Path) -> None:
             await wait_idle(s)
 
 
-async def engine_batch(engine: Scheduler | EngineProcess) -> int:
-    stats = await engine.fetch_stats() if isinstance(engine, EngineProcess) else engine.stats()
-    return stats.engine_batch
-
-
-@pytest.mark.parametrize("engine_class", [Scheduler, EngineProcess])  # in this process, or a child
-async def test_shutting_down_is_503_before_and_during_a_request(
-    model_cache: Path, engine_class: type[Scheduler | EngineProcess]
-) -> None:
+async def test_shutting_down_is_503_before_and_during_a_request(model_cache: Path) -> None:
     long = {"prompt": [5, 6, 7], "max_tokens": 1500, "ignore_eos": True}
     answers: dict[str, httpx.Response] = {}
     release, closed = anyio.Event(), anyio.Event()
 
-    async def own(*, task_status: anyio.abc.TaskStatus[Scheduler | EngineProcess]) -> None:
+    async def own(*, task_status: anyio.abc.TaskStatus[Scheduler]) -> None:
         # The scheduler lives in a task of its own, as in a lifespan; leaving `async with` closes it.
-        async with engine_class(config(model_cache)) as s:
+        async with Scheduler(config(model_cache)) as s:
             task_status.started(s)
             await release.wait()
         closed.set()
@@ -253,7 +244,7 @@ async def test_shutting_down_is_503_before_and_during_a_request(
                 async with anyio.create_task_group() as asks:
                     asks.start_soon(ask, "whole", long)
                     asks.start_soon(ask, "stream", {**long, "stream": True})
-                    while await engine_batch(s) < 2:
+                    while s.stats().engine_batch < 2:
                         await anyio.sleep(0.005)
                     release.set()
                 await closed.wait()
@@ -263,8 +254,6 @@ async def test_shutting_down_is_503_before_and_during_a_request(
     ev = events(answers["stream"].text)  # the 200 had gone out: an error event, then [DONE]
     assert ev[-1] == "[DONE]" and ev[-2]["error"]["code"] == "shutting_down"
     assert after.status_code == 503 and after.json()["error"]["type"] == "service_unavailable"
-    if isinstance(s, EngineProcess):
-        assert s.returncode == 0  # the child exited on its own after Close
 
 
 class FailingStream:
@@ -301,7 +290,7 @@ async def test_internal_failures_are_500_with_a_request_id(model_cache: Path, mo
             monkeypatch.setattr(s, "chat_prompt", lambda messages: 1 / 0)
             with structlog.testing.capture_logs() as logs:
                 crashed = await c.post("/v1/chat/completions", json={"messages": [HELLO]})
-            monkeypatch.setattr(s, "generate", lambda *a, **k: FailingStream())
+            monkeypatch.setattr(s, "submit", lambda *a, **k: FailingStream())
             failed = await c.post("/v1/completions", json={"prompt": "x"})
             failed_stream = await c.post("/v1/completions", json={"prompt": "x", "stream": True})
     rid = crashed.headers["x-request-id"]
@@ -462,3 +451,19 @@ def test_cli_serve_streams_to_the_openai_client_and_stops_on_sigint(model_cache:
         log = srv.log(wait=5)  # to the end of its stderr: the process has exited
     assert "Traceback" not in log, log
     assert "scheduler_closed" in log, log  # the lifespan closed it
+
+
+def test_the_removed_engine_process_option_is_said_once_and_serving_goes_on_in_process(
+    model_cache: Path, tmp_path: Path
+) -> None:
+    with serve(model_cache, tmp_path, "[server]\nengine_process = true\n", "--engine-process") as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        with client:
+            done = client.completions.create(model="synthetic:tiny", prompt="hello", max_tokens=4,
+                                             extra_body={"ignore_eos": True})
+        assert done.usage is not None and done.usage.completion_tokens == 4
+        health = srv.health()
+        log = srv.log(wait=1)
+    assert health["stats"]["finished"] == 1  # the scheduler answering /health is the one that served
+    assert log.count("engine_process_removed") == 1, log
+    assert "deprecated and ignored" in log and "engine_process_started" not in log

@@ -13,9 +13,9 @@ from structlog.testing import capture_logs
 
 from scheduler import SamplingParams, Scheduler
 from tests.test_kvpool import assert_idle, config, tokens
-from workers.cachekinds import cache_support
-from workers.engine import MLXEngine
-from workers.kvstore import KVStore
+from workers.batching.cachekinds import cache_support
+from workers.batching.engine import MLXEngine
+from workers.batching.kvstore import KVStore
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -14,8 +14,10 @@ from kvpool.books import BlockBooks
 from kvpool.pool import Pool
 from metrics.logging import configure_logging
 from metrics.prometheus import SchedulerMetrics
-from scheduler.admission import Admission
-from scheduler.chunks import ChunkOut, ChunkReceiver, chunk_channel
+from scheduler.admission.actor import Admission
+from scheduler.admission.kvplan import KVPlan, layer_bytes, pool_size
+from scheduler.admission.messages import Cancel, Close, DropSession, Submit, SubmitEnvelope
+from scheduler.assembly import Scopes, build_stats, is_wrapping, log_model_facts, real_engine_factory
 from scheduler.config import SchedulerConfig
 from scheduler.errors import (
     ConfigError,
@@ -23,13 +25,18 @@ from scheduler.errors import (
     SchedulerClosed,
     SchedulerError,
 )
-from scheduler.kvplan import KVPlan, layer_bytes, pool_size
-from scheduler.messages import Cancel, Close, DropSession, Submit, SubmitEnvelope
 from scheduler.policies import make_policy
-from scheduler.stream import RequestStream, prompt_tokens
+from scheduler.request import (
+    Request,
+    chat_template_ids,
+    check_length,
+    check_session,
+    check_token_ids,
+    make_request,
+)
+from scheduler.streaming.chunks import ChunkOut, ChunkReceiver, chunk_channel
+from scheduler.streaming.stream import RequestStream, prompt_tokens
 from scheduler.types import Chunk, Completion, SchedulerStats
-from scheduler.validation import chat_template_ids, check_arguments, check_length, check_session
-from workers.factory import Loaded, mlx_engine_factory
 from workers.worker import EngineFactory, GPUWorker, WorkerStartError
 
 if TYPE_CHECKING:
@@ -38,26 +45,10 @@ if TYPE_CHECKING:
 
     from kvpool.messages import PoolReplies
     from scheduler.params import SamplingParams
+    from workers.factory import Loaded
     from workers.messages import WorkerEvent
 
 log = structlog.get_logger("scheduler")
-
-
-def real_engine_factory(c: SchedulerConfig) -> EngineFactory[Loaded]:
-    """The mlx-lm engine that `c` describes (what a Scheduler runs unless told otherwise)."""
-    return mlx_engine_factory(
-        c.model.path,
-        cache_dir=c.model.cache_dir,
-        max_batch=c.worker.max_batch,
-        prefill_batch=c.worker.prefill_batch,
-        prefill_step=c.worker.prefill_step,
-        step_token_budget=c.worker.step_token_budget,
-        block_tokens=c.kvpool.block_tokens,
-        cuda_graphs=c.worker.cuda_graphs,
-        fold_quantized=c.worker.fold_quantized,
-        dtype=c.model.dtype,
-        dequantize=c.model.dequantize,
-    )
 
 
 class Scheduler:
@@ -72,7 +63,7 @@ class Scheduler:
         engine_factory: EngineFactory[Loaded] | None = None,
     ) -> None:
         """`engine_factory` replaces the real engine (tests: a fake one, or the real one wrapped
-        by `workers.faults.with_faults`)."""
+        by `tests.faults.with_faults`)."""
         self.config = config if config is not None else SchedulerConfig()
         c = self.config
         if not structlog.is_configured():
@@ -81,7 +72,7 @@ class Scheduler:
         self._factory = engine_factory or real_engine_factory(c)
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._actors = _Scopes()
+        self._actors = Scopes()
         self._admission: Admission | None = None
         self._pool: Pool | None = None
         self._loaded: Loaded | None = None
@@ -113,21 +104,7 @@ class Scheduler:
                 raise ModelLoadError(str(exc)) from exc.__cause__
             self._loaded = loaded
             info = loaded.info
-            if loaded.blas.library == "openblas":
-                log.info("cpu_blas", library="openblas", threads=loaded.blas.threads, path=loaded.blas.path)
-            elif loaded.blas.library:
-                log.warning("cpu_blas_bundled", library=loaded.blas.library, reason=loaded.blas.reason)
-            if loaded.precision.dtype:
-                log.info("model_precision", model=info.name, dtype=loaded.precision.dtype,
-                         dequantized_layers=loaded.precision.dequantized, note=loaded.precision.note)
-            if loaded.prefix_unavailable:
-                log.warning("prefix_cache_unavailable", model=info.name, reason=loaded.prefix_unavailable)
-            if loaded.mask_free_unavailable:
-                log.warning("mask_free_decode_unavailable", model=info.name,
-                            reason=loaded.mask_free_unavailable)
-            if not loaded.sessions:
-                log.warning("session_cache_unavailable", model=info.name,
-                            reason="a layer's cache class cannot be extracted from a batch")
+            log_model_facts(loaded)
             blocks = pool_size(c.kvpool, info, loaded.device_memory)
             self._pool = Pool(BlockBooks(blocks, c.kvpool.block_tokens,
                                          c.kvpool.block_tokens * info.kv_bytes_per_token))
@@ -156,7 +133,7 @@ class Scheduler:
             try:
                 await stack.aclose()
             except BaseException as group:  # the same failure, wrapped by the task group
-                if not _is_wrapping(group, exc):
+                if not is_wrapping(group, exc):
                     raise
             self._state = "closed"
             raise
@@ -256,15 +233,20 @@ class Scheduler:
         Arguments are checked here (`InvalidRequest`); the prompt's length, the queue
         (`QueueFull`) and the scheduler's state (`SchedulerClosed`) when iteration starts."""
         self._check_running()
-        params = check_arguments(prompt, params, priority, tenant, timeout, self.model.info.vocab_size)
-        check_session(session)
-        return RequestStream(
-            self._submit, self.cancel, prompt, params, priority, tenant, timeout, session
-        )
+        return self.submit(make_request(prompt, params, priority, tenant, timeout, session))
+
+    def submit(self, request: Request, *, stream: bool = True) -> RequestStream:
+        """`generate` for a `Request` built already (the HTTP server, a cluster replica).
+        `stream=False`: only the final chunk comes, with the whole text (what `complete` uses)."""
+        self._check_running()
+        if isinstance(request.prompt, list):
+            check_token_ids(request.prompt, self.model.info.vocab_size)
+        send = self._submit if stream else functools.partial(self._submit, stream=False)
+        return RequestStream(send, self.cancel, request)
 
     async def complete(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | Request,
         params: SamplingParams | None = None,
         *,
         priority: int = 0,
@@ -272,18 +254,17 @@ class Scheduler:
         timeout: float | None = None,
         session: str | None = None,
     ) -> Completion:
-        """Run a request to its end and return it whole."""
+        """Run a request to its end and return it whole (`prompt` may be a whole `Request`)."""
+        self._check_running()
+        if isinstance(prompt, Request):
+            request = prompt
+        else:
+            request = make_request(prompt, params, priority, tenant, timeout, session)
         text: list[str] = []
         ids: list[int] = []
         last: Chunk | None = None
-        self._check_running()
-        params = check_arguments(prompt, params, priority, tenant, timeout, self.model.info.vocab_size)
-        check_session(session)
         # Not streamed: one chunk at the end, so this task is not woken once per step.
-        submit = functools.partial(self._submit, stream=False)
-        async with RequestStream(
-            submit, self.cancel, prompt, params, priority, tenant, timeout, session
-        ) as stream:
+        async with self.submit(request, stream=False) as stream:
             async for chunk in stream:
                 text.append(chunk.text)
                 ids.extend(chunk.token_ids)
@@ -301,26 +282,7 @@ class Scheduler:
         a, p = self._admission, self._pool
         if a is None or p is None:
             raise SchedulerClosed("the scheduler has not been started")
-        c, s = a.counters, p.snapshot
-        weights = self._loaded.info.weights_bytes if self._loaded is not None else 0
-        return SchedulerStats(
-            running=a.running, waiting=a.waiting, engine_batch=c.engine_batch,
-            blocks_total=s.blocks_total, blocks_used=s.blocks_used, blocks_cached=s.blocks_cached,
-            blocks_free=s.blocks_free, finished=c.finished, rejected=c.rejected, steps=c.steps,
-            generated_tokens=c.generated_tokens,
-            blocks_padding=s.blocks_padding, block_tokens=s.block_tokens,
-            kv_budget_bytes=s.blocks_total * s.bytes_per_block,
-            kv_bytes=(s.blocks_used + s.blocks_cached) * s.bytes_per_block,
-            weights_bytes=weights, active_bytes=c.active_bytes,
-            preemptions=c.preemptions, evictions=s.evictions, cache_entries=s.cache_entries,
-            prefix_queries=c.prefix_queries, prefix_query_tokens=c.prefix_query_tokens,
-            prefix_hit_tokens=c.prefix_hit_tokens, session_hits=c.session_hits,
-            session_fallbacks=c.session_fallbacks,
-            prefix_cache_available=self._loaded is None or not self._loaded.prefix_unavailable,
-            mask_free_decode=self._loaded is None or not self._loaded.mask_free_unavailable,
-            blas=self._loaded.blas.library if self._loaded else "",
-            blas_note=self._loaded.blas.reason if self._loaded else "",
-        )
+        return build_stats(a, p, self._loaded)
 
     async def drop_session(self, session: str) -> bool:
         """Free the KV a session keeps; False when it had none (never kept, evicted, dropped,
@@ -350,38 +312,28 @@ class Scheduler:
         if self._state != "running":
             raise SchedulerClosed(f"the scheduler is {self._state}; requests need a running one")
 
-    async def _submit(
-        self, prompt: str | list[int], params: SamplingParams, priority: int, tenant: str,
-        timeout: float | None, session: str | None, stream: bool = True,
-    ) -> tuple[int, ChunkReceiver]:
+    async def _submit(self, request: Request, stream: bool = True) -> tuple[int, ChunkReceiver]:
         submitted_at = time.perf_counter()
         self._check_running()
-        tokens = await prompt_tokens(prompt, self.model.codec.encode)
+        tokens = await prompt_tokens(request.prompt, self.model.codec.encode)
         out_send, out_recv = chunk_channel()  # the actor sends at most max_tokens + 2 chunks
         try:
-            rid = await self.submit_tokens(tokens, params, out_send, priority=priority, tenant=tenant,
-                                           timeout=timeout, session=session, stream=stream,
-                                           submitted_at=submitted_at)
+            rid = await self._send(request, tokens, out_send, stream, submitted_at)
         except SchedulerError:
             out_recv.close()
             raise
         return rid, out_recv
 
-    async def submit_tokens(
-        self, tokens: list[int], params: SamplingParams, out: ChunkOut, *, priority: int = 0,
-        tenant: str = "default", timeout: float | None = None, session: str | None = None,
-        stream: bool = True, submitted_at: float | None = None,
+    async def _send(
+        self, request: Request, tokens: list[int], out: ChunkOut, stream: bool, submitted_at: float
     ) -> int:
-        """`generate`'s low-level path: checked arguments and prompt tokens in, the request's id
-        (for `cancel`) out, or its refusal raised; `out` takes the chunks as the admission actor
-        sends them (for callers that forward them without a task per request: `scheduler.remote`)."""
-        if submitted_at is None:
-            submitted_at = time.perf_counter()
-        check_length(len(tokens), params.max_tokens, self.model.info.context_length)
+        """Hand the request to the admission actor: its id (for `cancel`), or its refusal raised;
+        `out` takes the chunks as the actor sends them."""
+        check_length(len(tokens), request.params.max_tokens, self.model.info.context_length)
         self._check_running()
         assert self._admission is not None
         reply_send, reply_recv = anyio.create_memory_object_stream[int | SchedulerError](1)
-        msg = Submit(tokens, params, priority, tenant, timeout, submitted_at, session, stream)
+        msg = Submit(request, tokens, submitted_at, stream)
         self._admission.send.send_nowait(SubmitEnvelope(msg, reply_send, out))
         with reply_recv, anyio.CancelScope(shield=True):
             # Shielded: once submitted, we must learn the id to be able to cancel it.
@@ -399,34 +351,5 @@ class Scheduler:
                 admission.send.send_nowait(Cancel(rid))
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 pass  # the actor is gone and has ended every request already
-
-
-class _Scopes:
-    """A cancel scope per actor task, all cancelled together."""
-
-    def __init__(self) -> None:
-        self._scopes: list[anyio.CancelScope] = []
-        self._cancelled = False
-
-    def new(self) -> anyio.CancelScope:
-        scope = anyio.CancelScope()
-        if self._cancelled:
-            scope.cancel()
-        self._scopes.append(scope)
-        return scope
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        for scope in self._scopes:
-            scope.cancel()
-
-
-def _is_wrapping(group: BaseException, exc: BaseException) -> bool:
-    if group is exc:
-        return True
-    if isinstance(group, BaseExceptionGroup):
-        return all(_is_wrapping(e, exc) for e in group.exceptions)
-    return False
-
 
 

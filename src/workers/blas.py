@@ -34,7 +34,7 @@ from pathlib import Path
 
 import msgspec
 
-from workers.cachedir import cache_root
+from workers.loading.cachedir import cache_root
 
 BLAS_ENV = "MLX_SCHEDULER_BLAS"
 """"openblas" (the default), or "bundled" / "off" (leave MLX's own BLAS alone)."""

@@ -12,10 +12,10 @@ from mlx_lm.models.cache import KVCache
 
 from workers.blas import BlasState, blas_state
 from workers.cuda import apply_cuda_defaults, on_cuda
-from workers.dtypes import Dequantize, DTypeName, Precision
-from workers.engine import Engine, MLXEngine
-from workers.models import ModelInfo, load, model_info, resolve_model
-from workers.quantfold import fold_decode_batch
+from workers.loading.dtypes import Dequantize, DTypeName, Precision
+from workers.batching.engine import Engine, MLXEngine
+from workers.loading.models import ModelInfo, load, model_info, resolve_model
+from workers.batching.quantfold import fold_decode_batch
 
 if TYPE_CHECKING:
     from collections.abc import Callable

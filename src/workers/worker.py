@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import anyio
 import structlog
 
+from workers.batching.engine import Engine, StepResult
 from workers.bridge import LoopCaller, LoopClosed
-from workers.engine import Engine, StepResult
 from workers.messages import (
     Abort,
     Admit,

@@ -1,5 +1,0 @@
-import sys
-
-from scheduler.remote.child import main
-
-sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,31 @@
+"""Scale-out: N `Scheduler` replicas on Ray Serve behind one OpenAI-compatible port, routed by
+session and prompt prefix (`routing`), with a thin Serve `RequestRouter` over it (`router`).
+
+Importing this package needs no Ray; running it needs the `cluster` extra (`ray[serve]`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import argparse
+
+    from scheduler.config import SchedulerConfig
+
+
+def serve_replicas(args: argparse.Namespace, config: SchedulerConfig, replicas: int) -> None:
+    """`mlx-scheduler serve --replicas N` with N > 1."""
+    if getattr(args, "trio", False):
+        raise SystemExit("mlx-scheduler serve: --trio serves one process; --replicas runs on Ray Serve")
+    try:
+        import ray.serve  # noqa: F401
+        import starlette  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(
+            f"mlx-scheduler serve --replicas {replicas} needs the cluster extra: "
+            f"pip install 'mlx-scheduler[cluster]' ({exc})"
+        ) from None
+    from scheduler.serving.cluster.app import run
+
+    grace = config.server.shutdown_timeout_s if args.shutdown_timeout is None else args.shutdown_timeout
+    run(config, replicas, args.host, args.port, args.model_name, grace)

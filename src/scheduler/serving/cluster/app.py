@@ -1,0 +1,125 @@
+"""Building and running the Serve application: N `SchedulerReplica`s behind our router, and one
+`Frontend` that takes HTTP on one port. `mlx-scheduler serve --replicas N` calls `run`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+if TYPE_CHECKING:
+    from ray.serve import Application
+
+    from scheduler.config import ClusterSection, SchedulerConfig
+
+log = structlog.get_logger("scheduler.cluster")
+APP_NAME = "mlx-scheduler"
+
+
+def actor_options(section: ClusterSection, device: str) -> dict[str, Any]:
+    """What one replica reserves: the device it owns, and CPUs."""
+    opts: dict[str, Any] = {"num_cpus": section.num_cpus}
+    if device == "cuda":
+        opts["num_gpus"] = section.gpus_per_replica
+    elif device == "mlx":
+        opts["resources"] = {"mlx": 1}
+    return opts
+
+
+def pick_device(section: ClusterSection) -> str:
+    """"auto": CUDA when Ray sees GPUs, the `mlx` custom resource on macOS, else CPUs only."""
+    if section.device != "auto":
+        return section.device
+    import ray
+
+    if ray.cluster_resources().get("GPU", 0) > 0:
+        return "cuda"
+    return "mlx" if sys.platform == "darwin" else "cpu"
+
+
+def build(config: SchedulerConfig, replicas: int, model_name: str | None = None,
+          device: str = "cpu") -> Application:
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from scheduler.serving.cluster.frontend import Frontend
+    from scheduler.serving.cluster.replica import SchedulerReplica
+    from scheduler.serving.cluster.router import SchedulerRouter
+
+    c = config.cluster
+    router = RequestRouterConfig(
+        request_router_class=SchedulerRouter,
+        request_router_kwargs={
+            "balance_abs": c.balance_abs_threshold, "balance_rel": c.balance_rel_threshold,
+            "prefix_min_blocks": c.prefix_min_blocks, "remembered_blocks": c.remembered_blocks,
+            "probe_deadline_s": c.probe_deadline_s, "policy": c.routing,
+        },
+        request_routing_stats_period_s=c.stats_period_s,
+        request_routing_stats_timeout_s=max(c.stats_period_s, 1.0),
+    )
+    backend = serve.deployment(SchedulerReplica).options(
+        name="SchedulerReplica", num_replicas=replicas, max_ongoing_requests=c.max_ongoing_requests,
+        ray_actor_options=actor_options(c, device), request_router_config=router,
+        health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
+    ).bind(config)
+    frontend = serve.deployment(Frontend).options(
+        name="Frontend", num_replicas=1, max_ongoing_requests=c.max_ongoing_requests * replicas,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return frontend.bind(backend, config, model_name)
+
+
+def deploy(config: SchedulerConfig, replicas: int, model_name: str | None = None,
+           device: str = "cpu", timeout: float = 300) -> Any:
+    """Run the application and wait until its frontend serves: its handle."""
+    from ray import serve
+
+    handle = serve.run(build(config, replicas, model_name, device), name=APP_NAME, route_prefix="/")
+    handle.ready.remote().result(timeout_s=timeout)
+    return handle
+
+
+def start_ray(config: SchedulerConfig, replicas: int, *, log_to_driver: bool = True) -> None:
+    """Join `[cluster] address`, or start a local Ray on 127.0.0.1 with no dashboard."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network
+    if config.cluster.address:
+        ray.init(address=config.cluster.address, namespace=APP_NAME, log_to_driver=True)
+        return
+    cpus = max(os.cpu_count() or 1, int(replicas * config.cluster.num_cpus + 0.999))
+    resources = {"mlx": float(replicas)} if sys.platform == "darwin" else {}
+    ray.init(num_cpus=cpus, resources=resources, include_dashboard=False, namespace=APP_NAME,
+             _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=log_to_driver)
+
+
+def run(config: SchedulerConfig, replicas: int, host: str, port: int, model_name: str | None,
+        shutdown_timeout: float) -> None:
+    """Serve until SIGINT or SIGTERM, then drain: 503 for new requests, in-flight ones get
+    `shutdown_timeout` seconds, then the replicas and Ray stop."""
+    import ray
+    from ray import serve
+
+    from workers.loading.models import resolve_model
+
+    resolve_model(config.model.path, config.model.cache_dir)  # built once, not raced by replicas
+    start_ray(config, replicas)
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        device = pick_device(config.cluster)
+        handle = deploy(config, replicas, model_name, device)
+        log.info("cluster_serving", replicas=replicas, device=device, url=f"http://{host}:{port}")
+        stop.wait()
+        left = handle.drain.remote(shutdown_timeout).result(timeout_s=shutdown_timeout + 10)
+        log.info("cluster_drained", unfinished=left)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,316 @@
+"""The cluster's HTTP entry: one Serve deployment that parses OpenAI requests with the same code
+as `scheduler.serving.http`, tokenizes (the router needs the prompt's block keys), and streams each
+request from the replica our router picks. Every response names its replica in `x-replica`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, cast
+
+import anyio
+import msgspec
+import structlog
+from starlette.responses import Response
+
+from scheduler import errors
+from scheduler.admission.kvplan import prompt_keys
+from scheduler.request import chat_template_ids
+from scheduler.serving.cluster.prom import merge
+from scheduler.serving.cluster.replica import Job
+from scheduler.serving.cluster.routing import ROUTERS
+from scheduler.serving.http import requests as rq
+from scheduler.serving.http import responses as rs
+from scheduler.serving.http.app import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS, PROMETHEUS
+from scheduler.serving.http.bodies import read_body
+from scheduler.serving.http.errors import ApiError, from_scheduler, internal, json_response, not_found
+from scheduler.serving.http.errors import shutting_down as closing_error
+from scheduler.serving.http.prompts import Tokenizing, chat_ids
+from scheduler.serving.http.sse import EventStream
+from scheduler.types import Chunk
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+    from starlette.requests import Request
+
+    from scheduler.config import SchedulerConfig
+    from scheduler.request import Request as GenRequest
+    from scheduler.streaming.stream import RequestStream
+
+log = structlog.get_logger("scheduler.cluster")
+REPLICA_HEADER = "x-replica"
+OPENING_TRIES = 3
+REPLICA_FAILED = -1  # the request id of the error chunk that stands for a dead replica
+
+
+def replica_failed(replica: str, why: str = "its process died") -> ApiError:
+    return ApiError(503, f"replica {replica} failed while serving this request ({why}); "
+                    "retry: the other replicas keep serving",
+                    type="service_unavailable", code="replica_failed")
+
+
+def starting() -> ApiError:
+    return ApiError(503, "the server is starting: its replicas are loading the model; retry shortly",
+                    type="service_unavailable", code="starting", headers={"retry-after": "1"})
+
+
+class RemoteStream:
+    """A replica's `generate` stream as the `RequestStream` that `EventStream` reads. A replica
+    that dies mid-stream ends it with an "error" chunk naming the replica: no hang."""
+
+    def __init__(self, gen: DeploymentResponseGenerator, replica: str) -> None:
+        self._gen = gen
+        self.replica = replica
+        self._ended = False
+
+    async def __aenter__(self) -> RemoteStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._gen.cancel()
+
+    def __aiter__(self) -> RemoteStream:
+        return self
+
+    def ready(self) -> list[Chunk]:
+        """Chunks already here without waiting: none, since each comes from the replica by an
+        await (`EventStream` coalesces only what a local stream has buffered)."""
+        return []
+
+    async def __anext__(self) -> Chunk:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            item = await self._gen.__anext__()
+        except StopAsyncIteration:
+            self._ended = True
+            raise
+        except Exception as exc:  # the replica's process died or its actor failed
+            self._ended = True
+            log.error("replica_failed", replica=self.replica, error=repr(exc))
+            return Chunk(REPLICA_FAILED, "", [], "error", error=f"replica {self.replica} failed: {exc!r}")
+        if item[0] == "error":
+            self._ended = True
+            raise errors.by_name(item[1], item[2])
+        chunk: Chunk = item[1]
+        if chunk.finish_reason is not None:
+            self._ended = True
+        return chunk
+
+
+class ClusterEventStream(EventStream):
+    """`EventStream`, whose error event names the replica when it is the replica that failed."""
+
+    def _failure(self, chunk: Chunk) -> bytes:
+        if chunk.request_id == REPLICA_FAILED:
+            return replica_failed(self.headers.get(REPLICA_HEADER, "unknown")).event()
+        return super()._failure(chunk)
+
+
+class Frontend:
+    """The ingress deployment (one replica): `__call__` takes every HTTP request."""
+
+    def __init__(self, backend: DeploymentHandle, config: SchedulerConfig, model_name: str | None) -> None:
+        self._backend = backend
+        self._closing = False
+        self._inflight = 0
+        self._created = int(time.time())
+        self._model_name = model_name or config.model.path
+        self._body_timeout_s = config.server.body_timeout_s
+        self._context = self._block_tokens = 0
+        self._codec: Any = None
+        self._prompts: FrontendPrompts | None = None
+        # The single-process server's bounded tokenizing: refused by length first, long texts
+        # and chat templates on a few threads, off this event loop.
+        self._tokens = Tokenizing(config.server.tokenize_threads)
+        # Up at once, answering 503 until the tokenizer and a replica are ready: no refused or
+        # hanging connections while the replicas load the model.
+        self._ready = asyncio.get_running_loop().create_task(self._start(config, model_name))
+
+    async def _start(self, config: SchedulerConfig, model_name: str | None) -> None:
+        from mlx_lm.utils import load_tokenizer
+
+        from workers.factory import TokenizerCodec
+        from workers.loading.models import resolve_model
+
+        path = await anyio.to_thread.run_sync(resolve_model, config.model.path, config.model.cache_dir)
+        self._codec = TokenizerCodec(await anyio.to_thread.run_sync(load_tokenizer, path))
+        info = await self._backend.info.remote()
+        self._context = int(info["context_length"])
+        self._block_tokens = int(info["block_tokens"])
+        self._prompts = FrontendPrompts(self._codec, self._context)
+        self._model_name = model_name or str(info["name"])
+
+    async def ready(self) -> bool:
+        """Wait until requests are served (`cluster.app.deploy` waits on it)."""
+        await asyncio.shield(self._ready)
+        return True
+
+    def check_health(self) -> None:
+        """Serve's health check: a frontend that failed to start is restarted."""
+        if self._ready.done() and self._ready.exception() is not None:
+            raise RuntimeError(f"the frontend failed to start: {self._ready.exception()!r}")
+
+    async def drain(self, timeout: float) -> int:
+        """503 for new requests from now; wait up to `timeout` for those in flight. Returns how
+        many were still running when it gave up."""
+        self._closing = True
+        deadline = time.monotonic() + timeout
+        while self._inflight and time.monotonic() < deadline:  # noqa: ASYNC110 - a count, polled
+            await asyncio.sleep(0.05)
+        return self._inflight
+
+    async def __call__(self, request: Request) -> Response:
+        rid = f"req-{uuid.uuid4().hex}"
+        headers = {"x-request-id": rid}
+        route = (request.method, request.url.path)
+        handlers: dict[tuple[str, str], Callable[[Request, str], Any]] = {
+            ("POST", "/v1/completions"): self._completions, ("POST", "/v1/chat/completions"): self._chat,
+            ("GET", "/v1/models"): self._models, ("GET", "/health"): self._health,
+            ("GET", "/metrics"): self._metrics,
+        }
+        handler = handlers.get(route)
+        prompt_field = "messages" if route[1].endswith("chat/completions") else "prompt"
+        try:
+            if handler is None:
+                raise not_found(f"{request.method} {request.url.path}: Not Found")
+            if self._closing:
+                raise closing_error()
+            if not self._ready.done() or self._ready.exception() is not None:
+                raise starting()
+            self._inflight += 1
+            try:
+                return cast("Response", await handler(request, rid))
+            finally:
+                self._inflight -= 1
+        except ApiError as exc:
+            return exc.response(headers)
+        except errors.SchedulerError as exc:
+            return from_scheduler(exc, rid, prompt_field=prompt_field).response(headers)
+        except Exception:  # the HTTP boundary: a bug answers 500, the server keeps serving
+            log.exception("request_failed", request_id=rid, path=request.url.path)
+            return internal(rid).response(headers)
+
+    # ---- generation ---------------------------------------------------------------------------
+    async def _completions(self, request: Request, rid: str) -> Response:
+        req = rq.decode(await read_body(request, self._body_timeout_s), rq.CompletionRequest)
+        rq.check_completion(req)
+        prompt = rq.completion_prompt(req)
+        assert self._prompts is not None  # __call__ waited for _start
+        ids = await self._tokens.encode(self._prompts, prompt) if isinstance(prompt, str) else list(prompt)
+        job = self._job(rq.request(req, ids, req.max_tokens, DEFAULT_MAX_TOKENS))
+        render = rs.CompletionEvents(self._head(rid), _usage(req))
+        return await self._run(rid, job, bool(req.stream), render, rs.completion)
+
+    async def _chat(self, request: Request, rid: str) -> Response:
+        req = rq.decode(await read_body(request, self._body_timeout_s), rq.ChatRequest)
+        rq.check_chat(req)
+        assert self._prompts is not None  # __call__ waited for _start
+        ids = await chat_ids(self._tokens, self._prompts, rq.chat_messages(req))
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        room = self._context - len(ids)
+        default = min(DEFAULT_CHAT_MAX_TOKENS, room) if room > 0 else DEFAULT_CHAT_MAX_TOKENS
+        job = self._job(rq.request(req, ids, max_tokens, default))
+        render = rs.ChatEvents(self._head(rid), _usage(req))
+        return await self._run(rid, job, bool(req.stream), render, rs.chat_completion)
+
+    def _job(self, request: GenRequest) -> Job:
+        assert isinstance(request.prompt, list)
+        return Job(request, tuple(prompt_keys(request.prompt, self._block_tokens)))
+
+    async def _run(self, rid: str, job: Job, streaming: bool, render: Callable[[Chunk], list[bytes]],
+                   whole: Callable[[rs.Head, str, Chunk], msgspec.Struct]) -> Response:
+        for attempt in range(OPENING_TRIES):
+            # A replica that died before its first word produced nothing: try the survivors.
+            gen = self._backend.options(stream=True).generate.remote(job)
+            try:
+                opening = await gen.__anext__()
+                break
+            except Exception as exc:
+                gen.cancel()
+                log.warning("replica_failed", request_id=rid, attempt=attempt, error=repr(exc))
+                if attempt == OPENING_TRIES - 1:
+                    raise replica_failed("unknown", type(exc).__name__) from None
+        replica = str(opening[1])
+        stream = RemoteStream(gen, replica)
+        headers = {"x-request-id": rid, REPLICA_HEADER: replica}
+        try:
+            first = await stream.__anext__()  # before the 200: a full queue still gets its 429
+        except BaseException:
+            await stream.aclose()
+            raise
+        if streaming:
+            response = ClusterEventStream(cast("RequestStream", stream), first, render, rid)
+            response.headers[REPLICA_HEADER] = replica
+            return response
+        text, last = [first.text], first
+        async with stream:
+            while last.finish_reason is None:
+                last = await stream.__anext__()
+                text.append(last.text)
+        if last.finish_reason == "error":
+            if last.request_id == REPLICA_FAILED:
+                raise replica_failed(replica)
+            log.error("request_failed", request_id=rid, error=last.error)
+            raise internal(rid)
+        if last.finish_reason == "cancelled":
+            raise closing_error()
+        return json_response(whole(self._head(rid), "".join(text), last), headers=headers)
+
+    def _head(self, rid: str) -> rs.Head:
+        return rs.Head(rid, int(time.time()), self._model_name)
+
+    # ---- the rest -----------------------------------------------------------------------------
+    async def _models(self, request: Request, rid: str) -> Response:
+        card = rs.ModelCard(self._model_name, "model", self._created, "mlx-scheduler", self._context)
+        return json_response(rs.ModelList("list", [card]))
+
+    async def _fan_out(self, method: str) -> list[Any]:
+        """`method` of every live replica, each reached by naming it to our router. One at a
+        time: Serve gives calls made inside one request the same internal id, and two of them
+        pending at once leave one unrouted."""
+        ids = ROUTERS[-1].live() if ROUTERS else []
+        out: list[Any] = []
+        for i in ids:
+            try:
+                out.append(await asyncio.wait_for(getattr(self._backend, method).remote(target=i), 10))
+            except Exception as exc:  # a dead or stuck replica is left out, and logged
+                log.warning("replica_unreachable", replica=i, method=method, error=repr(exc))
+        return out
+
+    async def _health(self, request: Request, rid: str) -> Response:
+        replicas = [r for r in await self._fan_out("replica_stats") if isinstance(r, dict)]
+        router = ROUTERS[-1] if ROUTERS else None
+        body = {"status": "ok" if replicas else "starting", "model": self._model_name,
+                "replicas": replicas, "routing": dict(router.reasons) if router else {},
+                "in_flight": dict(router.inflight) if router else {}}
+        return Response(msgspec.json.encode(body), 200 if replicas else 503,
+                        media_type="application/json")
+
+    async def _metrics(self, request: Request, rid: str) -> Response:
+        texts = [t for t in await self._fan_out("prometheus") if isinstance(t, str)]
+        return Response(merge(texts), media_type=PROMETHEUS)
+
+
+class FrontendPrompts:
+    """The frontend's own tokenizer as a `PromptModel` (the replicas hold the model)."""
+
+    def __init__(self, codec: Any, context_length: int) -> None:
+        self.tokenizer = codec.tokenizer
+        self.context_length = context_length
+        self.encode = codec.encode
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return chat_template_ids(self.tokenizer, messages)
+
+
+def _usage(req: rq.CompletionRequest | rq.ChatRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)

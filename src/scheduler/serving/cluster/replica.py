@@ -1,0 +1,126 @@
+"""One scheduler replica: the body of the Serve deployment that owns one `Scheduler` in its own
+Ray actor process. Imports no Ray at module level; `cluster.app` wraps it with `serve.deployment`.
+
+`generate` streams tuples, so the frontend learns which replica serves before the first token:
+("replica", id), then ("chunk", Chunk)..., or ("error", kind, message) when the scheduler refuses
+the request (bad input, full queue, closing)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+
+from scheduler.api import Scheduler
+from scheduler.errors import SchedulerError
+from scheduler.request import Request  # noqa: TC001 - msgspec needs it at runtime
+from scheduler.serving.cluster.prom import label_replica
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from scheduler.config import SchedulerConfig
+
+log = structlog.get_logger("scheduler.cluster")
+REPORTED_KEYS = 512  # block keys a replica reports per stats period: the newest it served
+
+
+class Job(msgspec.Struct, frozen=True):
+    """One request as the frontend sends it (its prompt tokenized), and the block keys of that
+    prompt; the router reads the request's session and the keys."""
+
+    request: Request
+    keys: tuple[int, ...] = ()
+
+
+def replica_id() -> str:
+    from ray import serve
+
+    return str(serve.get_replica_context().replica_id.unique_id)
+
+
+class SchedulerReplica:
+    """Owns one `Scheduler` for the life of its actor, in a task of its own (anyio cancel
+    scopes must be left by the task that entered them)."""
+
+    async def __init__(self, config: SchedulerConfig) -> None:  # type: ignore[misc]  # Serve awaits it
+        self._config = config
+        self._id = replica_id()
+        self._sched: Scheduler | None = None
+        self._ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._failure: BaseException | None = None
+        self._served: OrderedDict[int, None] = OrderedDict()
+        self._owner = asyncio.get_running_loop().create_task(self._own())
+        await self._ready.wait()
+        if self._failure is not None:
+            raise self._failure
+        log.info("replica_started", replica=self._id, pid=os.getpid())
+
+    async def _own(self) -> None:
+        try:
+            async with Scheduler(self._config) as sched:
+                self._sched = sched
+                self._ready.set()
+                await self._stop.wait()
+        except BaseException as exc:  # reported by __init__ when it happens while starting
+            self._failure = exc
+            raise
+        finally:
+            self._ready.set()
+
+    def __del__(self) -> None:
+        # Serve calls no async hook on shutdown; stopping the task lets the scheduler drain.
+        self._stop.set()
+
+    @property
+    def sched(self) -> Scheduler:
+        assert self._sched is not None
+        return self._sched
+
+    async def info(self, target: str | None = None) -> dict[str, Any]:
+        info = self.sched.model.info
+        return {"name": info.name, "context_length": info.context_length, "replica": self._id,
+                "block_tokens": self._config.kvpool.block_tokens}
+
+    async def generate(self, job: Job) -> AsyncIterator[tuple[Any, ...]]:
+        yield ("replica", self._id)
+        try:
+            stream = self.sched.submit(job.request)
+            async with stream:
+                first = True
+                async for chunk in stream:
+                    if first:
+                        self._remember(job.keys)
+                        first = False
+                    yield ("chunk", chunk)
+        except SchedulerError as exc:
+            yield ("error", type(exc).__name__, str(exc))
+
+    def _remember(self, keys: tuple[int, ...]) -> None:
+        for key in keys:
+            self._served[key] = None
+            self._served.move_to_end(key)
+        while len(self._served) > REPORTED_KEYS:
+            self._served.popitem(last=False)
+
+    async def replica_stats(self, target: str | None = None) -> dict[str, Any]:
+        return {"replica": self._id, "pid": os.getpid(),
+                "stats": msgspec.to_builtins(self.sched.stats())}
+
+    async def prometheus(self, target: str | None = None) -> str:
+        return label_replica(self.sched.metrics_text(), self._id)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve hands our router every `[cluster] stats_period_s`."""
+        if self._sched is None:
+            return {}
+        s = self._sched.stats()
+        cfg = self._config
+        return {"load": s.running + s.waiting, "blocks": s.blocks_total,
+                "capacity": cfg.scheduler.max_queue + cfg.worker.max_batch,
+                "keys": list(self._served)}

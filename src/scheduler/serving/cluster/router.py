@@ -1,0 +1,93 @@
+"""`SchedulerRouter`: our Serve `RequestRouter`, a thin adapter from Serve's replicas and
+pending requests to `routing.choose`. It runs in the frontend's process (the handle's side)."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from scheduler.serving.cluster import routing
+from scheduler.serving.cluster.replica import Job
+from scheduler.serving.cluster.routing import Affinity, Load, Route, Thresholds, choose
+
+if TYPE_CHECKING:
+    from ray.serve._private.replica_result import ReplicaResult
+
+log = structlog.get_logger("scheduler.cluster")
+
+
+class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped here
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.limits = Thresholds(kwargs.get("balance_abs", 16), kwargs.get("balance_rel", 1.5),
+                                 kwargs.get("prefix_min_blocks", 1))
+        self.affinity = Affinity(kwargs.get("remembered_blocks", 65536))
+        # Serve's 0.1 s default let a slow probe send session turns to a second choice.
+        self.queue_len_response_deadline_s = float(kwargs.get("probe_deadline_s", 1.0))
+        self.max_queue_len_response_deadline_s = max(self.queue_len_response_deadline_s, 4.0)
+        self.inflight: dict[str, int] = {}
+        self.request_replica: dict[str, str] = {}
+        self.reasons: dict[str, int] = {}
+        self.reported: dict[str, dict[str, Any]] = {}
+        self.rng = random.Random()
+        self.load_only = kwargs.get("policy") == "power-of-two"
+        # Serve pickles this module by value: the registry lives in `routing`, shared by import.
+        routing.ROUTERS.append(self)
+
+    def live(self) -> list[str]:
+        return sorted(r.replica_id.unique_id for r in self.curr_replicas.values())
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        loads = [self._load(rid, r) for rid, r in by_id.items()]
+        route = _route(pending_request)
+        if self.load_only:
+            route = Route(target=route.target)
+        decision = choose(loads, route, self.affinity, self.limits, self.rng)
+        self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
+        return [[by_id[i] for i in rank if i in by_id] for rank in decision.ranked]
+
+    def _load(self, rid: str, replica: RunningReplica) -> Load:
+        stats = replica.routing_stats or {}
+        if self.reported.get(rid) is not stats:  # a new report: learn its keys once, not per request
+            self.reported[rid] = stats
+            self.affinity.capacity(rid, int(stats.get("blocks", 0)))
+            self.affinity.holds(rid, stats.get("keys") or ())
+        load = max(self.inflight.get(rid, 0), int(stats.get("load", 0)))
+        return Load(rid, load, int(stats.get("capacity", 1 << 30)))
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult,
+    ) -> None:
+        rid = replica_id.unique_id
+        route = _route(pending_request)
+        if route.target is None:
+            self.affinity.served(rid, route)
+        self.inflight[rid] = self.inflight.get(rid, 0) + 1
+        self.request_replica[pending_request.metadata.internal_request_id] = rid
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        rid = self.request_replica.pop(internal_request_id, replica_id.unique_id)
+        self.inflight[rid] = max(0, self.inflight.get(rid, 0) - 1)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        rid = replica_id.unique_id
+        self.affinity.forget(rid)
+        self.inflight.pop(rid, None)
+        self.reported.pop(rid, None)
+        log.warning("replica_died", replica=rid)
+
+
+def _route(pending: PendingRequest | None) -> Route:
+    if pending is None:
+        return Route()
+    target = pending.kwargs.get("target")
+    job = pending.args[0] if pending.args else None
+    if isinstance(job, Job):
+        return Route(job.request.session, job.keys, target)
+    return Route(target=target)

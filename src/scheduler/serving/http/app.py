@@ -1,0 +1,240 @@
+"""The OpenAI-compatible ASGI app: `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+`/health` and `/metrics` over one `Scheduler`."""
+
+from __future__ import annotations
+
+import time
+import traceback
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+import structlog
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+from starlette.routing import Route
+
+from scheduler.api import Scheduler
+from scheduler.errors import SchedulerError
+from scheduler.serving.http import requests as rq
+from scheduler.serving.http import responses as rs
+from scheduler.serving.http.bodies import read_body
+from scheduler.serving.http.errors import (
+    ApiError,
+    from_scheduler,
+    internal,
+    json_response,
+    shutting_down,
+)
+from scheduler.serving.http.prompts import SchedulerPrompts, Tokenizing, chat_ids
+from scheduler.serving.http.shutdown import Gate
+from scheduler.serving.http.sse import ClientGone, EventStream, unless_disconnected
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable
+    from contextlib import AbstractAsyncContextManager
+
+    from starlette.requests import Request
+
+    from scheduler.config import SchedulerConfig, ServerSection
+    from scheduler.engine import EngineClient
+    from scheduler.streaming.stream import RequestStream
+    from scheduler.types import Chunk, SchedulerStats
+
+    Handler = Callable[[Request, str], Awaitable[Response]]
+
+log = structlog.get_logger("scheduler.http")
+
+DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI
+DEFAULT_CHAT_MAX_TOKENS = 512  # /v1/chat/completions, as mlx_lm.server; lowered to fit the context
+PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Health(msgspec.Struct, frozen=True):
+    status: str
+    model: str
+    stats: SchedulerStats
+
+
+def create_app(
+    config: SchedulerConfig | None = None,
+    *,
+    scheduler: EngineClient | None = None,
+    model_name: str | None = None,
+) -> Starlette:
+    """The app. With `config` its lifespan starts and closes a `Scheduler`; with a running
+    `scheduler` (any `EngineClient`: embedding, tests) it serves that one and leaves its
+    lifetime to the caller. `model_name` is the id `/v1/models` reports (default: the model's
+    name). `app.state.gate` is its `shutdown.Gate`: `serve` ends the grace period through it."""
+    if (config is None) == (scheduler is None):
+        raise TypeError("create_app takes exactly one of config or scheduler")
+    owner = config if config is not None else scheduler.config  # type: ignore[union-attr]
+    api = _OpenAI(scheduler, model_name, owner.server)
+    routes = [
+        Route("/v1/completions", api.endpoint(api.completions, "cmpl", "prompt"), methods=["POST"]),
+        Route("/v1/chat/completions", api.endpoint(api.chat, "chatcmpl", "messages"), methods=["POST"]),
+        Route("/v1/models", api.endpoint(api.models, "models"), methods=["GET"]),
+        Route("/health", api.endpoint(api.health, "health"), methods=["GET"]),
+        Route("/metrics", api.endpoint(api.metrics, "metrics"), methods=["GET"]),
+    ]
+    lifespan = api.lifespan(config) if config is not None else None
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app.state.gate = api.gate
+    return app
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    # Starlette's own 404 and 405, in OpenAI's shape.
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                    type=kind, headers=exc.headers).response()
+
+
+class _OpenAI:
+    """The endpoints. Owns the scheduler reference and whether the server is shutting down."""
+
+    def __init__(self, scheduler: EngineClient | None, model_name: str | None, limits: ServerSection) -> None:
+        self._scheduler = scheduler
+        self._model_name = model_name
+        self._created = int(time.time())
+        self._limits = limits
+        self.gate = Gate()
+        self.gate.scheduler = scheduler
+        self.tokens = Tokenizing(limits.tokenize_threads)
+
+    def lifespan(self, config: SchedulerConfig) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+        @asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            async with Scheduler(config) as sched:
+                self._scheduler = self.gate.scheduler = sched
+                try:
+                    yield
+                finally:
+                    await self.gate.expire()  # 503 from here on; the one close of the scheduler
+
+        return lifespan
+
+    @property
+    def sched(self) -> EngineClient:
+        if self._scheduler is None or self.gate.closing:
+            raise shutting_down()
+        return self._scheduler
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name or self.sched.model.info.name
+
+    def endpoint(self, handler: Handler, kind: str, prompt_field: str = "prompt") -> Callable[
+        [Request], Awaitable[Response]
+    ]:
+        """Wrap `handler` so every failure becomes an OpenAI-shaped error with its request id."""
+
+        async def endpoint(request: Request) -> Response:
+            rid = f"{kind}-{uuid.uuid4().hex}"
+            headers = {"x-request-id": rid}
+            try:
+                return await handler(request, rid)
+            except ApiError as exc:
+                return exc.response(headers)
+            except SchedulerError as exc:
+                return from_scheduler(exc, rid, prompt_field=prompt_field).response(headers)
+            except ClientGone:
+                log.debug("client_disconnected", request_id=rid)
+                return Response(status_code=499, headers=headers)  # nginx's code; only logs see it
+            except Exception as exc:  # the HTTP boundary: a bug answers 500, the server keeps serving
+                # No traceback: its frames' locals hold the body. Class, frames and sizes only.
+                log.error("request_failed", request_id=rid, path=request.url.path,
+                          body_bytes=request.headers.get("content-length"),
+                          error=type(exc).__name__, where=_where(exc))
+                return internal(rid).response(headers)
+
+        return endpoint
+
+    # ---- endpoints ----------------------------------------------------------------------------
+    async def completions(self, request: Request, rid: str) -> Response:
+        req = rq.decode(await read_body(request, self._limits.body_timeout_s), rq.CompletionRequest)
+        rq.check_completion(req)
+        sched, head = self.sched, rs.Head(rid, int(time.time()), self.model_name)
+        vocab = sched.model.info.vocab_size
+        job = rq.request(req, rq.completion_prompt(req), req.max_tokens, DEFAULT_MAX_TOKENS, vocab)
+        if isinstance(job.prompt, str):  # checked as a Request first, then bounded tokenizing
+            ids = await self.tokens.encode(SchedulerPrompts(sched), job.prompt)
+            job = msgspec.structs.replace(job, prompt=ids)
+        stream = sched.submit(job)
+        if req.stream:
+            return await _event_stream(request, rid, stream, rs.CompletionEvents(head, _usage(req)))
+        text, last = await _whole(request, rid, stream)
+        return json_response(rs.completion(head, text, last), headers={"x-request-id": rid})
+
+    async def chat(self, request: Request, rid: str) -> Response:
+        req = rq.decode(await read_body(request, self._limits.body_timeout_s), rq.ChatRequest)
+        rq.check_chat(req)
+        sched, head = self.sched, rs.Head(rid, int(time.time()), self.model_name)
+        ids = await chat_ids(self.tokens, SchedulerPrompts(sched), rq.chat_messages(req))
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        room = sched.model.info.context_length - len(ids)
+        default = min(DEFAULT_CHAT_MAX_TOKENS, room) if room > 0 else DEFAULT_CHAT_MAX_TOKENS
+        stream = sched.submit(rq.request(req, ids, max_tokens, default, sched.model.info.vocab_size))
+        if req.stream:
+            return await _event_stream(request, rid, stream, rs.ChatEvents(head, _usage(req)))
+        text, last = await _whole(request, rid, stream)
+        return json_response(rs.chat_completion(head, text, last), headers={"x-request-id": rid})
+
+    async def models(self, request: Request, rid: str) -> Response:
+        info = self.sched.model.info
+        card = rs.ModelCard(self.model_name, "model", self._created, "mlx-scheduler", info.context_length)
+        return json_response(rs.ModelList("list", [card]))
+
+    async def health(self, request: Request, rid: str) -> Response:
+        sched = self.sched
+        return json_response(Health("ok", self.model_name, sched.stats()))
+
+    async def metrics(self, request: Request, rid: str) -> Response:
+        sched = self.sched
+        return Response(sched.metrics_text(), media_type=PROMETHEUS)
+
+
+def _usage(req: rq.CompletionRequest | rq.ChatRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def _where(exc: BaseException, depth: int = 8) -> str:
+    """The innermost frames as `function (file:line)`: where a bug is, without the message or
+    the frames' locals, either of which can hold the request's text."""
+    frames = traceback.extract_tb(exc.__traceback__)[-depth:]
+    return " <- ".join(f"{f.name} ({Path(f.filename).name}:{f.lineno})" for f in reversed(frames))
+
+
+async def _event_stream(
+    request: Request, rid: str, stream: RequestStream, render: Callable[[Chunk], list[bytes]]
+) -> Response:
+    # The first chunk comes before the 200: a full queue or a bad prompt still gets its status.
+    try:
+        first = await unless_disconnected(request.receive, stream.__anext__)
+    except BaseException:
+        await stream.aclose()
+        raise
+    return EventStream(stream, first, render, rid)
+
+
+async def _whole(request: Request, rid: str, stream: RequestStream) -> tuple[str, Chunk]:
+    async def collect() -> tuple[str, Chunk]:
+        text: list[str] = []
+        async for chunk in stream:
+            text.append(chunk.text)
+            if chunk.finish_reason is not None:
+                return "".join(text), chunk
+        raise AssertionError("a request stream ends with a finish_reason")
+
+    async with stream:
+        text, last = await unless_disconnected(request.receive, collect)
+    if last.finish_reason == "cancelled":
+        raise shutting_down()
+    if last.finish_reason == "error":
+        log.error("request_failed", request_id=rid, error=last.error)
+        raise internal(rid)
+    return text, last

@@ -1,0 +1,154 @@
+"""Server-sent events from a `RequestStream`, and cancellation when the client goes away.
+
+A client that disconnects must free its batch slot within one engine step, so every wait on the
+scheduler runs beside a task that watches the connection and cancels the wait when it closes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, TypeVar
+
+import anyio
+import msgspec
+import structlog
+from starlette.responses import Response
+
+from scheduler.errors import SchedulerClosed
+from scheduler.serving.http.errors import internal, shutting_down
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from starlette.types import Receive, Scope, Send
+
+    from scheduler.streaming.stream import RequestStream
+    from scheduler.types import Chunk
+
+T = TypeVar("T")
+log = structlog.get_logger("scheduler.http")
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+async def _disconnected(receive: Receive) -> None:
+    # The body has been read already, so the next message is the disconnect, whenever it comes.
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(receive: Receive, fn: Callable[[], Awaitable[T]]) -> T:
+    """`await fn()`, cancelled (raising `ClientGone`) if the client disconnects first."""
+    result: list[T] = []
+    failure: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            await _disconnected(receive)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            result.append(await fn())
+        except Exception as exc:  # re-raised below, bare rather than inside an ExceptionGroup
+            failure.append(exc)
+        tg.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
+    if not result:
+        raise ClientGone
+    return result[0]
+
+
+class EventStream(Response):
+    """`text/event-stream` of one request: `first`, then the rest of `stream`, each chunk rendered
+    by `render` into event payloads, then `data: [DONE]`. Failures after the 200 went out become
+    an OpenAI-shaped error event. Closing the connection cancels the request at once."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        stream: RequestStream,
+        first: Chunk,
+        render: Callable[[Chunk], list[bytes]],
+        request_id: str,
+    ) -> None:
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no",
+                           "x-request-id": request_id})
+        self._stream = stream
+        self._first = first
+        self._render = render
+        self._request_id = request_id
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with self._stream:  # leaving it cancels the request unless it has ended
+            async with anyio.create_task_group() as tg:
+
+                ended = False
+
+                async def watch() -> None:
+                    await _disconnected(receive)  # servers also say so once the response is complete
+                    if not ended:
+                        log.debug("client_disconnected", request_id=self._request_id)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                try:
+                    await send({"type": "http.response.start", "status": 200,
+                                "headers": self.raw_headers})
+                    last = await self._pump(send)
+                    ended = True
+                    await send({"type": "http.response.body", "body": _frames(last), "more_body": False})
+                except OSError:
+                    pass  # the client went away; servers on ASGI spec 2.4 say so by raising
+                tg.cancel_scope.cancel()
+
+    async def _pump(self, send: Send) -> list[bytes]:
+        """Send the stream's events up to its end; return the last ones (with `[DONE]`), for the
+        caller to send with the end of the body in one write."""
+        chunk = self._first
+        while True:
+            # What arrived while the last write went out goes as one event: the last token and
+            # the ending share a write, and a loop that fell behind (many streams, few cores)
+            # catches up in fewer writes.
+            chunk = coalesce(chunk, self._stream.ready())
+            if chunk.finish_reason in ("cancelled", "error"):
+                text = self._render(msgspec.structs.replace(chunk, finish_reason=None)) if chunk.text else []
+                return [*text, self._failure(chunk), b"[DONE]"]
+            events = self._render(chunk)
+            if chunk.finish_reason is not None:
+                return [*events, b"[DONE]"]
+            await _send(send, events)
+            try:
+                chunk = await self._stream.__anext__()
+            except SchedulerClosed:
+                return [shutting_down().event(), b"[DONE]"]
+
+    def _failure(self, chunk: Chunk) -> bytes:
+        if chunk.finish_reason == "cancelled":  # only the scheduler closing cancels a live stream
+            return shutting_down().event()
+        log.error("request_failed", request_id=self._request_id, error=chunk.error)
+        return internal(self._request_id).event()
+
+
+def coalesce(chunk: Chunk, more: list[Chunk]) -> Chunk:
+    """`chunk` and the chunks after it as one: their text and tokens, the last one's ending."""
+    if not more:
+        return chunk
+    last = more[-1]
+    return msgspec.structs.replace(
+        last, text=chunk.text + "".join(c.text for c in more),
+        token_ids=[t for c in (chunk, *more) for t in c.token_ids],
+    )
+
+
+def _frames(events: list[bytes]) -> bytes:
+    return b"".join(b"data: " + e + b"\n\n" for e in events)
+
+
+async def _send(send: Send, events: list[bytes]) -> None:
+    if events:
+        await send({"type": "http.response.body", "body": _frames(events), "more_body": True})

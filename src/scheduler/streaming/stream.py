@@ -1,0 +1,130 @@
+"""`RequestStream`: what `Scheduler.generate` returns. Iterating it submits the request; leaving
+early (break, exception, cancellation, garbage collection) cancels it."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import anyio
+
+from scheduler.errors import InvalidRequest, SchedulerClosed
+from scheduler.streaming.chunks import ChunkReceiver
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from scheduler.request import Request
+    from scheduler.types import Chunk
+
+THREAD_TOKENIZE_CHARS = 2048
+"""Tokenizing a long prompt takes milliseconds; past this many characters it leaves the loop."""
+
+
+async def prompt_tokens(prompt: str | list[int], encode: Callable[[str], list[int]]) -> list[int]:
+    """The token ids of `prompt`: a text encoded (on a thread when long), a list copied."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if len(prompt) > THREAD_TOKENIZE_CHARS:
+        tokens = await anyio.to_thread.run_sync(encode, prompt)
+    else:
+        tokens = encode(prompt)
+    if not tokens:
+        raise InvalidRequest("prompt encodes to no tokens")
+    return tokens
+
+
+SubmitFn = Callable[["Request"], Awaitable[tuple[int, ChunkReceiver]]]
+
+
+class RequestStream:
+    """An async iterator of one request's chunks; the last one has a `finish_reason`."""
+
+    def __init__(
+        self,
+        submit: SubmitFn,
+        cancel: Callable[[int], None],
+        request: Request,
+    ) -> None:
+        self._submit = submit
+        self._cancel = cancel
+        self.request = request
+        self._rid: int | None = None
+        self._recv: ChunkReceiver | None = None
+        self._done = False
+
+    @property
+    def request_id(self) -> int | None:
+        """The scheduler's id for this request, once iteration has submitted it."""
+        return self._rid
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._done:
+            raise StopAsyncIteration
+        if self._recv is None:
+            try:
+                self._rid, self._recv = await self._submit(self.request)
+            except BaseException:
+                self._done = True
+                raise
+        try:
+            chunk = await self._recv.receive()
+        except anyio.EndOfStream:
+            self._done = True
+            raise SchedulerClosed("the scheduler stopped before this request ended") from None
+        except BaseException:
+            self._abandon()
+            raise
+        if chunk.finish_reason is not None:
+            self._done = True
+            self._recv.close()
+        return chunk
+
+    def ready(self) -> list[Chunk]:
+        """The chunks already delivered, without waiting: none before the first `__anext__`, and
+        none after the last one. A server that fell behind sends them as one event, so a slow
+        client costs one write per step, not one per token."""
+        out: list[Chunk] = []
+        recv = self._recv
+        while recv is not None and not self._done:
+            try:
+                chunk = recv.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break  # EndOfStream: the next __anext__ says so
+            out.append(chunk)
+            if chunk.finish_reason is not None:
+                self._done = True
+                recv.close()
+        return out
+
+    def _abandon(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._recv is not None:
+            self._recv.close()
+        if self._rid is not None:
+            self._cancel(self._rid)
+
+    async def aclose(self) -> None:
+        """Cancel the request if it has not ended. Safe to call more than once."""
+        self._abandon()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._abandon()
+
+    def __del__(self) -> None:
+        # `break` out of `async for` drops the iterator without a call; this is that call.
+        if not self._done and self._rid is not None:
+            self._abandon()

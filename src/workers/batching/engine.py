@@ -1,0 +1,359 @@
+"""The engine adapter: our request ids and messages on one side, mlx-lm's BatchGenerator on the other.
+
+Everything here runs on the worker thread. The `Engine` protocol is what the worker steps; tests
+of actor logic substitute a fake that implements it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol, cast
+
+import mlx.core as mx
+import structlog
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
+
+from workers.batching.budget import PrefillBudget
+from workers.batching.cachekinds import cache_support, trimmable
+from workers.batching.kvstore import KVStore, LayerKV, common_prefix
+from workers.batching.maskfree import MaskFreeDecode
+from workers.messages import Admit, Key, SamplingSpec
+
+Sampler = Callable[[mx.array], mx.array]
+log = structlog.get_logger("workers")
+
+
+class StepResult(NamedTuple):
+    """One step: `rids[i]` emitted `tokens[i]`; `finished` ended with `reasons`; and how many
+    prompt tokens were prefilled in it."""
+
+    rids: list[int]
+    tokens: list[int]
+    finished: list[int]
+    reasons: list[str]
+    prefill_tokens: int = 0
+    stored: list[tuple[Key, int]] = []
+    """KV newly kept this step: prefix blocks and finished sessions, as (key, tokens)."""
+    active_bytes: int = 0
+    """The backend's active memory after the step (0: not measured)."""
+    session_fallbacks: int = 0
+    """Session turns inserted since the last step that could not continue their kept KV (see
+    `SchedulerStats.session_fallbacks`) and prefill cold."""
+    first: bool = False
+    """Some request emitted its first token in this step (the worker hands the loop its turn)."""
+
+
+class Engine(Protocol):
+    """A continuous-batching engine keyed by our request ids."""
+
+    def insert(self, admits: Sequence[Admit]) -> None: ...
+
+    def remove(self, rids: Sequence[int]) -> None: ...
+
+    def step(self) -> StepResult: ...
+
+    def evict(self, keys: Sequence[Key]) -> None:
+        """Drop stored prefix blocks or sessions."""
+        ...
+
+    def keep_sessions(self, rids: Sequence[int]) -> list[tuple[Key, int]]:
+        """Keep the KV of those of `rids` that have a session (before they are removed)."""
+        ...
+
+    def has_work(self) -> bool: ...
+
+    def held(self) -> int:
+        """Sequences the underlying engine holds right now."""
+        ...
+
+    def rids(self) -> list[int]:
+        """The requests the engine holds."""
+        ...
+
+    def reset(self) -> None:
+        """Drop every sequence and start afresh (after a failed step)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def seeded_sampler(spec: SamplingSpec, skip: int = 0) -> Sampler:
+    """A sampler with its own random key chain, so a seed reproduces whatever the batch holds.
+    `skip`: tokens already sampled from this chain (a preempted request carries on)."""
+    assert spec.seed is not None
+    key = mx.random.key(spec.seed)
+    for _ in range(skip):
+        key, _ = mx.random.split(key)
+    inv_temp = 1.0 / spec.temperature
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, sub = mx.random.split(key)
+        if 0.0 < spec.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, spec.top_p)
+        if spec.min_p > 0.0:
+            logprobs = apply_min_p(logprobs, spec.min_p)
+        if spec.top_k > 0:
+            logprobs = apply_top_k(logprobs, spec.top_k)
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
+
+    return sample
+
+
+class MLXEngine:
+    """Owns one `BatchGenerator`. Maps our rids to its uids and groups equal sampling specs."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        vocab_size: int,
+        max_batch: int,
+        prefill_batch: int,
+        prefill_step: int,
+        step_token_budget: int | str = "auto",
+        block_tokens: int = 256,
+        mask_free: bool = True,
+    ) -> None:
+        self._vocab_size = vocab_size
+        # Sessions need caches mlx-lm can extract and re-insert; prefix blocks need plain KVCaches.
+        self.support = cache_support(make_prompt_cache(model))
+        self._store = KVStore(block_tokens) if self.support.sessions else None
+        self._fallbacks = 0
+        self._store_plan: dict[int, tuple[list[int], int]] = {}
+        self._session_of: dict[int, str] = {}
+        self._emitting: set[int] = set()
+        """Requests that have emitted a token (the others are still prefilling)."""
+        if step_token_budget == "auto" and mx.default_device().type == mx.DeviceType.gpu:
+            # Measured on an H100: each step that prefills syncs MLX's pipelined decode, so
+            # spreading prefill over many steps cost about half the throughput at 64 streams.
+            step_token_budget = 0
+        self._budget = PrefillBudget(
+            step_token_budget,
+            max_chunk=prefill_step,
+            max_prompts=min(prefill_batch, max_batch),
+            max_batch=max_batch,
+        )
+        self._model = model
+        self._batching: dict[str, Any] = dict(
+            completion_batch_size=max_batch,
+            prefill_batch_size=min(prefill_batch, max_batch),
+            prefill_step_size=prefill_step,
+        )
+        # mlx-lm is only partly typed; the generator is used through its documented methods.
+        self._gen: Any = BatchGenerator(model, **self._batching)
+        self.mask_free = MaskFreeDecode(mask_free)
+        self.mask_free_unavailable = self.mask_free.unavailable or (
+            "" if self.support.prefix_blocks else
+            "the model's caches are not all plain KVCache (sliding-window or recurrent layers); "
+            "their decode steps keep mlx-lm's attention mask"
+        )
+        """Why no decode step of this model can skip the mask ("" when it can)."""
+        self._rid_of: dict[int, int] = {}
+        self._uid_of: dict[int, int] = {}
+        self._samplers: dict[SamplingSpec, Sampler | None] = {}
+        self._stops: dict[tuple[int, ...], StopSequences] = {}
+
+    def _sampler(self, spec: SamplingSpec, skip: int = 0) -> Sampler | None:
+        if spec.top_k >= self._vocab_size:
+            spec = SamplingSpec(spec.temperature, spec.top_p, 0, spec.min_p, spec.seed)
+        if spec.temperature == 0.0:
+            return None  # the generator's shared greedy sampler: one batched argmax
+        if spec.seed is not None:
+            return seeded_sampler(spec, skip)
+        if spec not in self._samplers:
+            self._samplers[spec] = make_sampler(
+                temp=spec.temperature, top_p=spec.top_p, min_p=spec.min_p, top_k=spec.top_k
+            )
+        return self._samplers[spec]
+
+    def _stop(self, ids: tuple[int, ...]) -> StopSequences:
+        if ids not in self._stops:
+            self._stops[ids] = StopSequences([(t,) for t in ids] if ids else None)
+        return self._stops[ids]
+
+    @property
+    def reuses_kv(self) -> bool:
+        """Whether prefix blocks work with this model's cache (sessions: `support.sessions`)."""
+        return self._store is not None and self.support.prefix_blocks
+
+    def _start(self, admit: Admit) -> tuple[list[int], Any, list[int]]:
+        """(prompt left to prefill, starting cache or None, tokens that cache holds)."""
+        prompt = list(admit.prompt)
+        store = self._store
+        if store is None:
+            return prompt, None, []
+        if admit.resume and admit.session is not None:
+            kept = store.take_session(admit.session)
+            if kept is not None:
+                cache, tokens = kept
+                # Keep what the new prompt shares with the session; at least one token to feed.
+                n = min(common_prefix(tokens, prompt), len(prompt) - 1)
+                cut = len(tokens) - n
+                if n > 0 and trimmable(cache, cut):
+                    for c in cache if cut else ():  # recurrent caches have no trim() at all
+                        c.trim(cut)
+                    return prompt[n:], cache, prompt[:n]
+            # A rotated window or a recurrent state cannot forget tokens, the prompt shares none,
+            # or the last turn's KV was not kept: this turn prefills cold.
+            self._fallbacks += 1
+        if admit.prefix and self.support.prefix_blocks:
+            blocks, built = store.prefix_cache(admit.prefix)
+            n = blocks * store.block_tokens
+            if built is not None and n < len(prompt):
+                return prompt[n:], built, prompt[:n]
+        return prompt, None, []
+
+    def insert(self, admits: Sequence[Admit]) -> None:
+        if not admits:
+            return
+        starts = [self._start(a) for a in admits]
+        uids = self._gen.insert(
+            [p for p, _, _ in starts],
+            max_tokens=[a.max_tokens for a in admits],
+            caches=[c for _, c, _ in starts] if any(c is not None for _, c, _ in starts) else None,
+            all_tokens=[t for _, _, t in starts],
+            samplers=cast("Any", [self._sampler(a.sampling, a.sampled) for a in admits]),
+            stop_sequences=[self._stop(a.stop_token_ids) for a in admits],
+        )
+        for uid, admit, (rest, _, _) in zip(uids, admits, starts, strict=True):
+            self._rid_of[uid] = admit.rid
+            self._uid_of[admit.rid] = uid
+            self._budget.inserted(len(rest), admit.max_tokens)
+            if self._store is not None:
+                if admit.store and self.support.prefix_blocks:
+                    self._store_plan[admit.rid] = (admit.store, len(admit.prefix))
+                if admit.session is not None:
+                    self._session_of[admit.rid] = admit.session
+
+    def evict(self, keys: Sequence[Key]) -> None:
+        if self._store is not None:
+            self._store.evict(keys)
+
+    def _keep(self, uid: int, rid: int, finished: Any) -> list[tuple[Key, int]]:
+        """Store the prompt blocks `rid` was asked to keep, now that its prompt is prefilled;
+        `finished`: its finishing response (it already left the batch), else None."""
+        store = self._store
+        keys, first = self._store_plan.pop(rid)
+        assert store is not None
+        row: list[LayerKV]
+        if finished is not None:
+            row = [(c.keys, c.values) for c in finished.prompt_cache]
+            start = 0
+        else:
+            batch = self._gen._generation_batch
+            idx = batch.uids.index(uid)
+            caches = batch.prompt_cache
+            row = [(c.keys[idx : idx + 1], c.values[idx : idx + 1]) for c in caches]
+            start = int(caches[0].left_padding[idx].item())
+        return store.store_blocks(keys, first, row, start)
+
+    def keep_sessions(self, rids: Sequence[int]) -> list[tuple[Key, int]]:
+        store = self._store
+        names = {
+            self._uid_of[r]: self._session_of[r]
+            for r in rids if r in self._session_of and r in self._uid_of
+        }
+        if store is None or not names:
+            return []
+        kept = self._gen.extract_cache(list(names))
+        stored = (self._keep_session(names[uid], cache, tokens) for uid, (cache, tokens) in kept.items())
+        return [s for s in stored if s is not None]
+
+    def _keep_session(self, name: str, cache: list[Any], tokens: list[int]) -> tuple[Key, int] | None:
+        """Keep a finished turn's KV; a failure drops the session (the next turn prefills cold)
+        rather than failing the step, so the turn still ends normally."""
+        store = self._store
+        assert store is not None
+        try:
+            return store.keep_session(name, cache, tokens)
+        except Exception as exc:
+            store.evict([name])
+            log.warning("session_keep_failed", session=name, error=f"{type(exc).__name__}: {exc}")
+            return None
+
+    def remove(self, rids: Sequence[int]) -> None:
+        for rid in rids:
+            self._store_plan.pop(rid, None)
+            self._session_of.pop(rid, None)
+            self._emitting.discard(rid)
+        uids = [self._uid_of.pop(rid) for rid in rids if rid in self._uid_of]
+        if uids:
+            self._gen.remove(uids)
+            for uid in uids:
+                del self._rid_of[uid]
+
+    def step(self) -> StepResult:
+        gen = self._gen
+        decoding = len(gen._generation_batch)
+        gen.prefill_step_size, gen.prefill_batch_size = self._budget.plan(
+            decoding=decoding,
+            in_prefill=len(gen._prompt_batch),
+            waiting=len(gen._unprocessed_sequences),
+            room=gen.completion_batch_size - decoding,
+        )
+        counters = gen._counters
+        before = counters.prompt_tokens
+        self.mask_free.before_step(gen)
+        _, responses = gen.next()
+        prefilled = counters.prompt_tokens - before
+        rids: list[int] = []
+        tokens: list[int] = []
+        finished: list[int] = []
+        reasons: list[str] = []
+        stored: list[tuple[Key, int]] = []
+        plan = self._store_plan
+        emitting = self._emitting
+        first = False
+        for r in responses:
+            rid = self._rid_of[r.uid]
+            if rid not in emitting:
+                emitting.add(rid)
+                first = True
+            if r.finish_reason != "stop":  # a stop token ends the output; it is not part of it
+                rids.append(rid)
+                tokens.append(r.token)
+            if plan and rid in plan:
+                stored.extend(self._keep(r.uid, rid, r if r.finish_reason is not None else None))
+            if r.finish_reason is not None:
+                finished.append(rid)
+                reasons.append(r.finish_reason)
+                emitting.discard(rid)
+                del self._rid_of[r.uid]
+                del self._uid_of[rid]
+                session = self._session_of.pop(rid, None)
+                if session is not None and self._store is not None:
+                    kept = self._keep_session(session, r.prompt_cache, r.all_tokens)
+                    if kept is not None:
+                        stored.append(kept)
+        fallbacks, self._fallbacks = self._fallbacks, 0
+        return StepResult(
+            rids, tokens, finished, reasons, prefilled, stored, mx.get_active_memory(), fallbacks,
+            first,
+        )
+
+    def has_work(self) -> bool:
+        return bool(self._rid_of)
+
+    def held(self) -> int:
+        gen = self._gen
+        return len(gen._unprocessed_sequences) + len(gen._prompt_batch) + len(gen._generation_batch)
+
+    def rids(self) -> list[int]:
+        return list(self._uid_of)
+
+    def reset(self) -> None:
+        self.close()
+        self.mask_free.reset()
+        mx.clear_cache()
+        self._gen = BatchGenerator(self._model, **self._batching)
+
+    def close(self) -> None:
+        self._gen.close()
+        self._emitting.clear()
+        self._rid_of.clear()
+        self._uid_of.clear()
+        self._store_plan.clear()
+        self._session_of.clear()
