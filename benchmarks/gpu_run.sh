@@ -2,7 +2,7 @@
 # The GPU figures: run on the device machine after ../shared/gpu/stage's two calls.
 #   bash .gpu-b/install.sh && . /tmp/gpu-env.sh && bash benchmarks/gpu_run.sh [stage...]
 # Stages (default: decode overhead peers-low peers-high), each for every model in $MODELS:
-#   decode      benchmarks/decode_step.py --profile (llama-3.2-1b only: the shape)
+#   decode      benchmarks/decode_step.py --profile (llama-3.2-1b only: the shape of our H100 overhead figures)
 #   overhead    benchmarks/overhead.py at $CONCURRENCY (1 8 32 64 128 256), warmed up
 #   peers-low   benchmarks/peers.py, all four backends at 1 8 32
 #   peers-high  benchmarks/peers.py at 64 128 256, without sequential stream_generate (it would

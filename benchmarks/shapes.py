@@ -3,7 +3,7 @@
     python benchmarks/shapes.py llama-3.1-8b      # prints the model directory
 
 `llama-3.1-8b`: Llama-3.1-8B's shape (bf16, ~16 GB); `llama-h512-l8`: a float32 model small
-enough for CPU yet compute-bound there (the served-path issue's CPU model).
+enough for CPU yet compute-bound there (our CPU model for the served path and for stalls).
 """
 
 from __future__ import annotations

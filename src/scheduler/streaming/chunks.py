@@ -18,10 +18,8 @@ if TYPE_CHECKING:
 
 
 class ChunkOut(Protocol):
-    """Where the admission actor sends one request's chunks: a `ChunkSender`, or the engine
-    process's frame sink (`scheduler.remote.child`). `send_nowait` never blocks; a `ChunkSender`
-    raises `anyio.BrokenResourceError` once its receiver has gone (the sink drops the chunks of a
-    request cancelled from the other process instead)."""
+    """Where the admission actor sends one request's chunks (a `ChunkSender`). `send_nowait`
+    never blocks, and raises `anyio.BrokenResourceError` once the receiver has gone."""
 
     def send_nowait(self, chunk: Chunk) -> None: ...
 
@@ -29,7 +27,7 @@ class ChunkOut(Protocol):
 
 
 class _State:
-    __slots__ = ("buffer", "closed", "error", "gone", "waiter")
+    __slots__ = ("buffer", "closed", "gone", "waiter")
 
     def __init__(self) -> None:
         self.buffer: deque[Chunk] = deque()
@@ -38,8 +36,6 @@ class _State:
         """The sender closed: the receiver gets what is buffered, then EndOfStream."""
         self.gone = False
         """The receiver closed: sending raises BrokenResourceError."""
-        self.error: Exception | None = None
-        """Raised to the receiver after what is buffered, instead of EndOfStream (`fail`)."""
 
     def wake(self) -> None:
         waiter, self.waiter = self.waiter, None
@@ -68,12 +64,6 @@ class ChunkSender:
         self._s.closed = True
         self._s.wake()
 
-    def fail(self, error: Exception) -> None:
-        """Close, so that the receiver's next wait raises `error` once the buffer is empty (the
-        engine process's refusals, `scheduler.remote`)."""
-        self._s.error = error
-        self.close()
-
 
 class ChunkReceiver:
     """The caller's end (the subset of MemoryObjectReceiveStream it uses)."""
@@ -89,8 +79,6 @@ class ChunkReceiver:
             if s.gone:
                 raise anyio.ClosedResourceError
             if s.closed:
-                if s.error is not None:
-                    raise s.error
                 raise anyio.EndOfStream
             s.waiter = waiter = anyio.Event()
             await waiter.wait()
