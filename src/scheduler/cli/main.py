@@ -8,20 +8,16 @@ from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
-import structlog
 
 from metrics import configure_logging
 from scheduler.cli.argtypes import non_negative_float, positive_int
 from scheduler.cli.bench import cli as bench
+from scheduler.cli.serve import add_serve_command, run_serve
 from scheduler.config import SchedulerConfig
 from scheduler.errors import SchedulerError
-from scheduler.serving.cluster import serve_replicas
-from scheduler.serving.http.serve import ENGINE_PROCESS_REMOVED, add_serve_command, serve
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-log = structlog.get_logger("scheduler.http")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,16 +92,6 @@ def _demo(args: argparse.Namespace, config: SchedulerConfig) -> None:
             f.write(msgspec.json.format(msgspec.json.encode(result)))
 
 
-def _serve(args: argparse.Namespace, config: SchedulerConfig) -> None:
-    if getattr(args, "engine_process", None) or config.server.engine_process:
-        log.warning("engine_process_removed", reason=ENGINE_PROCESS_REMOVED)
-    replicas = getattr(args, "replicas", None) or config.cluster.replicas
-    if replicas > 1:
-        serve_replicas(args, config, replicas)
-    else:
-        serve(args, config)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -114,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run":
             anyio.run(_run, args, config)
         elif args.command == "serve":
-            _serve(args, config)
+            run_serve(args, config)
         elif args.command == "bench":
             return bench.main(args, config)
         else:

@@ -1,7 +1,7 @@
 """`mlx-scheduler serve`: the OpenAI-compatible app on uvicorn (asyncio) or hypercorn (trio).
 
-Importing this module needs neither Starlette nor a server: the CLI registers the command always
-and the `[server]` extra is only needed to run it."""
+Importing this module needs neither Starlette nor a server: the CLI (`scheduler.cli.serve`)
+registers the command always, and the `[server]` extra is only needed to run it."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ import anyio
 import msgspec
 import structlog
 
-from scheduler.cli.argtypes import port, positive_int, seconds
-
 if TYPE_CHECKING:
     import argparse
 
@@ -24,36 +22,6 @@ if TYPE_CHECKING:
     from scheduler.serving.http.shutdown import Gate
 
 log = structlog.get_logger("scheduler.http")
-
-ENGINE_PROCESS_REMOVED = ("--engine-process and [server] engine_process are deprecated and ignored: "
-                          "the scheduler runs in this process (a child process for it measured no "
-                          "faster, 0.13-0.60x at 8 streams on the H100)")
-
-
-def add_serve_command(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Register `serve`; the caller adds --config and --model."""
-    p = sub.add_parser(
-        "serve", help="an OpenAI-compatible HTTP server (needs the [server] extra)",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=port, default=8000, help="port to bind (default: 8000)")
-    p.add_argument("--model-name", metavar="ID",
-                   help="the model id clients see in /v1/models and responses (default: the model path)")
-    p.add_argument("--trio", action="store_true",
-                   help="run on trio, served by hypercorn (default: asyncio, served by uvicorn)")
-    p.add_argument("--shutdown-timeout", type=seconds, default=None, metavar="S",
-                   help="on SIGINT/SIGTERM, seconds in-flight requests get to finish; then each "
-                        "gets a 503 or an error event (default: [server] shutdown_timeout_s, 10)")
-    p.add_argument("--engine-process", action="store_true", default=None,
-                   help="deprecated and ignored: the scheduler runs in this process")
-    p.add_argument("--replicas", type=positive_int, metavar="N",
-                   help="N scheduler replicas on Ray Serve behind this port (needs the [cluster] extra; "
-                   "default: [cluster] replicas, 1: this process)")
-    return p
-
 
 def serve(args: argparse.Namespace, config: SchedulerConfig) -> None:
     """Run one process's server until SIGINT or SIGTERM (`--replicas` above 1 is the cluster's)."""
