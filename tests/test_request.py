@@ -4,6 +4,8 @@ server talks to."""
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -15,6 +17,8 @@ from scheduler.errors import InvalidRequest
 from scheduler.request import make_request
 from scheduler.serving.cluster.replica import Job
 from scheduler.serving.http import requests as rq
+from scheduler.serving.http.app import create_app
+from scheduler.streaming.chunks import chunk_channel
 from tests.test_integration import tiny
 
 if TYPE_CHECKING:
@@ -85,8 +89,21 @@ async def test_generate_submit_and_complete_of_one_request_give_the_same_greedy_
             assert stream.request is request  # carried as it is, not spelled out again
             via_submit = [t async for c in stream for t in c.token_ids]
             whole = await s.complete(request)
+            send, recv = chunk_channel()
+            with pytest.warns(DeprecationWarning, match="use Scheduler.submit"):
+                await s.submit_tokens(prompt, greedy, send, tenant="a")
+            via_old = []
+            while not via_old or via_old[-1].finish_reason is None:
+                via_old.append(await recv.receive())
             with pytest.raises(InvalidRequest, match=r"prompt\[0\] = 999999 is not a token id"):
                 s.submit(Request(prompt=[999999], params=greedy))
     assert len(via_generate) == 12
-    assert via_submit == via_generate == whole.token_ids
+    assert via_submit == via_generate == whole.token_ids == [t for c in via_old for t in c.token_ids]
     assert whole.prompt_tokens == len(prompt) and whole.finish_reason == "length"
+
+
+def test_the_old_path_of_create_app_still_imports_with_a_deprecation_warning() -> None:
+    sys.modules.pop("scheduler.http.app", None)
+    with pytest.warns(DeprecationWarning, match="moved to scheduler.serving.http.app"):
+        old = importlib.import_module("scheduler.http.app")
+    assert old.create_app is create_app

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING
 
@@ -341,6 +342,21 @@ class Scheduler:
         if isinstance(result, SchedulerError):
             raise result
         return result
+
+    async def submit_tokens(
+        self, tokens: list[int], params: SamplingParams, out: ChunkOut, *, priority: int = 0,
+        tenant: str = "default", timeout: float | None = None, session: str | None = None,
+        stream: bool = True, submitted_at: float | None = None,
+    ) -> int:
+        """Deprecated (removed in 0.3): use `submit(Request(...))`. Checked token ids in, the
+        request's id out; `out` takes its chunks."""
+        warnings.warn("Scheduler.submit_tokens is deprecated; use Scheduler.submit(Request(...))",
+                      DeprecationWarning, stacklevel=2)
+        request = Request(prompt=tokens, params=params, priority=priority, tenant=tenant,
+                          timeout=timeout, session=session)
+        check_token_ids(tokens, self.model.info.vocab_size)
+        at = time.perf_counter() if submitted_at is None else submitted_at
+        return await self._send(request, list(tokens), out, stream, at)
 
     def cancel(self, rid: int) -> None:
         """Cancel request `rid` (its chunks end with "cancelled" within a step, unless it has
