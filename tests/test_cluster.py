@@ -46,6 +46,11 @@ max_queue = 8
 [cluster]
 num_cpus = 0.5
 stats_period_s = 0.2
+[server]
+# Only the token endpoints are guarded, so the other tests need no key.
+api_keys = ["cluster-key"]
+open_paths = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"]
+cors_origins = ["https://app.example"]
 """
 
 
@@ -106,9 +111,26 @@ def test_streaming_through_the_official_client(cluster: str) -> None:
 def test_bad_input_gets_the_single_process_errors(cluster: str) -> None:
     bad = complete(cluster, prompt="hello", temperature=-1)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
-    assert httpx.get(f"{cluster}/v1/nope", timeout=30).status_code == 404
+    nope = httpx.get(f"{cluster}/v1/nope", timeout=30, headers={"x-api-key": "cluster-key"})
+    assert nope.status_code == 404  # (without the key: 401, as for every path not open)
     models = httpx.get(f"{cluster}/v1/models", timeout=30).json()
     assert models["data"][0]["id"] == "synthetic:tiny"
+
+
+def test_keys_cors_and_the_token_endpoints_work_through_the_frontend(cluster: str) -> None:
+    refused = httpx.post(f"{cluster}/tokenize", json={"prompt": "hello world"}, timeout=30)
+    tokens = httpx.post(f"{cluster}/tokenize", json={"prompt": "hello world"}, timeout=30,
+                        headers={"authorization": "Bearer cluster-key"})
+    text = httpx.post(f"{cluster}/detokenize", json={"tokens": tokens.json()["tokens"]}, timeout=30,
+                      headers={"x-api-key": "cluster-key"})
+    preflight = httpx.options(f"{cluster}/v1/completions", timeout=30, headers={
+        "origin": "https://app.example", "access-control-request-method": "POST"})
+    marked = httpx.get(f"{cluster}/health", headers={"origin": "https://app.example"}, timeout=30)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert tokens.status_code == 200 and tokens.json()["count"] == len(tokens.json()["tokens"]) > 0
+    assert "hello world" in text.json()["prompt"]
+    assert preflight.status_code == 204
+    assert marked.headers["access-control-allow-origin"] == "https://app.example"
 
 
 def test_a_prompt_too_long_for_the_context_is_refused_by_its_length(cluster: str) -> None:

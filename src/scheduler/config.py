@@ -147,6 +147,22 @@ class ServerSection(_Section):
     """Long prompts and chat templates run on at most this many threads at once, off the loop."""
     shutdown_timeout_s: NonNegativeFloat = 10.0
     """On SIGINT/SIGTERM, seconds in-flight requests get to finish (`--shutdown-timeout`)."""
+    api_keys: list[str] = msgspec.field(default_factory=list)
+    """Keys a client must send (`Authorization: Bearer <key>` or `x-api-key: <key>`); a wrong or
+    missing one gets a 401 in OpenAI's shape. Empty (and no `--api-key` or
+    `$MLX_SCHEDULER_API_KEY`): no check."""
+    open_paths: list[str] = msgspec.field(default_factory=lambda: ["/health", "/metrics"])
+    """Paths served without a key (probes and scrapers); `[]` guards every path."""
+    cors_origins: list[str] = msgspec.field(default_factory=list)
+    """Browser origins allowed to call the server (`"*"`: any); empty: no CORS headers."""
+
+    def __post_init__(self) -> None:
+        if any(not k.strip() for k in self.api_keys):
+            raise ValueError("api_keys: a key is empty")
+        if bad := [p for p in self.open_paths if not p.startswith("/")]:
+            raise ValueError(f"open_paths: {bad[0]!r} is not a path (it starts with '/')")
+        if bad := [o for o in self.cors_origins if o != "*" and "://" not in o]:
+            raise ValueError(f"cors_origins: {bad[0]!r} is not an origin like 'https://app.example'")
     engine_process: bool = False
     """Deprecated and ignored: the scheduler always runs in the server's process (a child process
     for it measured no faster: 0.13-0.60x at 8 streams on the H100). Accepted so old configs

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
 import structlog
 
 from scheduler.cli.argtypes import port, positive_int, seconds
+from scheduler.errors import ConfigError
 from scheduler.serving.cluster import serve_replicas
 from scheduler.serving.http.serve import serve
 
@@ -40,6 +42,9 @@ def add_serve_command(
     p.add_argument("--shutdown-timeout", type=seconds, default=None, metavar="S",
                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish; then each "
                         "gets a 503 or an error event (default: [server] shutdown_timeout_s, 10)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require this key (Authorization: Bearer KEY, or x-api-key) on every path but "
+                        "[server] open_paths; added to [server] api_keys and $MLX_SCHEDULER_API_KEY")
     p.add_argument("--engine-process", action="store_true", default=None,
                    help="deprecated and ignored: the scheduler runs in this process")
     p.add_argument("--replicas", type=positive_int, metavar="N",
@@ -52,6 +57,12 @@ def run_serve(args: argparse.Namespace, config: SchedulerConfig) -> None:
     """Run `serve` until SIGINT or SIGTERM."""
     if getattr(args, "engine_process", None) or config.server.engine_process:
         log.warning("engine_process_removed", reason=ENGINE_PROCESS_REMOVED)
+    key = getattr(args, "api_key", None)
+    if key is not None:
+        if not key.strip():
+            raise ConfigError("--api-key: the key is empty")
+        config = msgspec.structs.replace(config, server=msgspec.structs.replace(
+            config.server, api_keys=[*config.server.api_keys, key]))
     replicas = getattr(args, "replicas", None) or config.cluster.replicas
     if replicas > 1:
         serve_replicas(args, config, replicas)

@@ -22,6 +22,8 @@ from scheduler.serving.cluster.replica import Job
 from scheduler.serving.cluster.routing import ROUTERS
 from scheduler.serving.http import requests as rq
 from scheduler.serving.http import responses as rs
+from scheduler.serving.http import tokens as tk
+from scheduler.serving.http.access import Access
 from scheduler.serving.http.app import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS, PROMETHEUS
 from scheduler.serving.http.bodies import read_body
 from scheduler.serving.http.errors import ApiError, from_scheduler, internal, json_response, not_found
@@ -131,6 +133,8 @@ class Frontend:
         # The single-process server's bounded tokenizing: refused by length first, long texts
         # and chat templates on a few threads, off this event loop.
         self._tokens = Tokenizing(config.server.tokenize_threads)
+        self._access = Access.of(config.server)
+        self._vocab = 0
         # Up at once, answering 503 until the tokenizer and a replica are ready: no refused or
         # hanging connections while the replicas load the model.
         self._ready = asyncio.get_running_loop().create_task(self._start(config, model_name))
@@ -146,6 +150,7 @@ class Frontend:
         info = await self._backend.info.remote()
         self._context = int(info["context_length"])
         self._block_tokens = int(info["block_tokens"])
+        self._vocab = int(info["vocab_size"])
         self._prompts = FrontendPrompts(self._codec, self._context)
         self._model_name = model_name or str(info["name"])
 
@@ -169,13 +174,26 @@ class Frontend:
         return self._inflight
 
     async def __call__(self, request: Request) -> Response:
+        access = self._access
+        preflight = access.preflight(request.method, request.headers)
+        if preflight is not None:
+            return preflight
+        response = await self._answer(request)
+        response.headers.update(access.cors(request.headers.get("origin")))
+        return response
+
+    async def _answer(self, request: Request) -> Response:
         rid = f"req-{uuid.uuid4().hex}"
         headers = {"x-request-id": rid}
         route = (request.method, request.url.path)
+        refusal = self._access.refusal(request.method, route[1], request.headers)
+        if refusal is not None:
+            return refusal.response(headers)
         handlers: dict[tuple[str, str], Callable[[Request, str], Any]] = {
             ("POST", "/v1/completions"): self._completions, ("POST", "/v1/chat/completions"): self._chat,
             ("GET", "/v1/models"): self._models, ("GET", "/health"): self._health,
-            ("GET", "/metrics"): self._metrics,
+            ("GET", "/metrics"): self._metrics, ("POST", "/tokenize"): self._tokenize,
+            ("POST", "/detokenize"): self._detokenize,
         }
         handler = handlers.get(route)
         prompt_field = "messages" if route[1].endswith("chat/completions") else "prompt"
@@ -285,6 +303,16 @@ class Frontend:
             except Exception as exc:  # a dead or stuck replica is left out, and logged
                 log.warning("replica_unreachable", replica=i, method=method, error=repr(exc))
         return out
+
+    async def _tokenize(self, request: Request, rid: str) -> Response:
+        assert self._prompts is not None  # __call__ waited for _start
+        body = await read_body(request, self._body_timeout_s)
+        return json_response(await tk.tokenize(body, self._tokens, self._prompts))
+
+    async def _detokenize(self, request: Request, rid: str) -> Response:
+        assert self._prompts is not None  # __call__ waited for _start
+        body = await read_body(request, self._body_timeout_s)
+        return json_response(tk.detokenize(body, self._prompts, self._vocab))
 
     async def _health(self, request: Request, rid: str) -> Response:
         replicas = [r for r in await self._fan_out("replica_stats") if isinstance(r, dict)]

@@ -85,6 +85,7 @@ class SchedulerReplica:
     async def info(self, target: str | None = None) -> dict[str, Any]:
         info = self.sched.model.info
         return {"name": info.name, "context_length": info.context_length, "replica": self._id,
+                "vocab_size": info.vocab_size,
                 "block_tokens": self._config.kvpool.block_tokens}
 
     async def generate(self, job: Job) -> AsyncIterator[tuple[Any, ...]]:

@@ -1,5 +1,5 @@
 """The OpenAI-compatible ASGI app: `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-`/health` and `/metrics` over one `Scheduler`."""
+`/tokenize`, `/detokenize`, `/health` and `/metrics` over one engine, behind its API keys."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import msgspec
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -21,6 +22,8 @@ from scheduler.api import Scheduler
 from scheduler.errors import SchedulerError
 from scheduler.serving.http import requests as rq
 from scheduler.serving.http import responses as rs
+from scheduler.serving.http import tokens as tk
+from scheduler.serving.http.access import Access, AccessMiddleware
 from scheduler.serving.http.bodies import read_body
 from scheduler.serving.http.errors import (
     ApiError,
@@ -77,11 +80,17 @@ def create_app(
         Route("/v1/completions", api.endpoint(api.completions, "cmpl", "prompt"), methods=["POST"]),
         Route("/v1/chat/completions", api.endpoint(api.chat, "chatcmpl", "messages"), methods=["POST"]),
         Route("/v1/models", api.endpoint(api.models, "models"), methods=["GET"]),
+        Route("/tokenize", api.endpoint(api.tokenize, "tok", "prompt"), methods=["POST"]),
+        Route("/detokenize", api.endpoint(api.detokenize, "detok", "tokens"), methods=["POST"]),
         Route("/health", api.endpoint(api.health, "health"), methods=["GET"]),
         Route("/metrics", api.endpoint(api.metrics, "metrics"), methods=["GET"]),
     ]
     lifespan = api.lifespan(config) if config is not None else None
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    access = Access.of(owner.server)
+    if access.keys:
+        log.info("api_keys_required", open_paths=sorted(access.open_paths))
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
+                    middleware=[Middleware(AccessMiddleware, access=access)])
     app.state.gate = api.gate
     return app
 
@@ -188,6 +197,15 @@ class _OpenAI:
         info = self.sched.model.info
         card = rs.ModelCard(self.model_name, "model", self._created, "mlx-scheduler", info.context_length)
         return json_response(rs.ModelList("list", [card]))
+
+    async def tokenize(self, request: Request, rid: str) -> Response:
+        body = await read_body(request, self._limits.body_timeout_s)
+        return json_response(await tk.tokenize(body, self.tokens, SchedulerPrompts(self.sched)))
+
+    async def detokenize(self, request: Request, rid: str) -> Response:
+        body = await read_body(request, self._limits.body_timeout_s)
+        sched = self.sched
+        return json_response(tk.detokenize(body, SchedulerPrompts(sched), sched.model.info.vocab_size))
 
     async def health(self, request: Request, rid: str) -> Response:
         sched = self.sched
