@@ -30,6 +30,7 @@ from scheduler.policies import make_policy
 from scheduler.request import (
     Request,
     chat_template_ids,
+    check_bias,
     check_length,
     check_session,
     check_token_ids,
@@ -37,7 +38,7 @@ from scheduler.request import (
 )
 from scheduler.streaming.chunks import ChunkOut, ChunkReceiver, chunk_channel
 from scheduler.streaming.stream import RequestStream, prompt_tokens
-from scheduler.types import Chunk, Completion, SchedulerStats
+from scheduler.types import Chunk, Completion, SchedulerStats, TokenLogprob
 from workers.worker import EngineFactory, GPUWorker, WorkerStartError
 
 if TYPE_CHECKING:
@@ -240,8 +241,10 @@ class Scheduler:
         """`generate` for a `Request` built already (the HTTP server, a cluster replica).
         `stream=False`: only the final chunk comes, with the whole text (what `complete` uses)."""
         self._check_running()
+        vocab = self.model.info.vocab_size
         if isinstance(request.prompt, list):
-            check_token_ids(request.prompt, self.model.info.vocab_size)
+            check_token_ids(request.prompt, vocab)
+        check_bias(request.params, vocab)
         send = self._submit if stream else functools.partial(self._submit, stream=False)
         return RequestStream(send, self.cancel, request)
 
@@ -263,19 +266,22 @@ class Scheduler:
             request = make_request(prompt, params, priority, tenant, timeout, session)
         text: list[str] = []
         ids: list[int] = []
+        lps: list[TokenLogprob] | None = [] if request.params.logprobs else None
         last: Chunk | None = None
         # Not streamed: one chunk at the end, so this task is not woken once per step.
         async with self.submit(request, stream=False) as stream:
             async for chunk in stream:
                 text.append(chunk.text)
                 ids.extend(chunk.token_ids)
+                if lps is not None and chunk.logprobs:
+                    lps.extend(chunk.logprobs)
                 last = chunk
         assert last is not None and last.finish_reason is not None and last.timings is not None
         return Completion(
             request_id=last.request_id, text="".join(text), token_ids=ids,
             finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
             completion_tokens=last.completion_tokens, timings=last.timings, error=last.error,
-            cached_tokens=last.cached_tokens,
+            cached_tokens=last.cached_tokens, logprobs=lps,
         )
 
     def stats(self) -> SchedulerStats:

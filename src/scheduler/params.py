@@ -10,6 +10,8 @@ from scheduler.errors import InvalidRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
 
 
 def _is_int(value: object) -> bool:
@@ -31,7 +33,15 @@ def _is_number(value: object) -> bool:
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Per-request sampling. `temperature=0` is greedy. `seed` makes sampling reproducible
     whatever else shares the batch. `stop` strings end generation and are not part of the text;
-    `stop_token_ids` do the same for token ids. `ignore_eos` keeps going past EOS (benchmarks)."""
+    `stop_token_ids` do the same for token ids. `ignore_eos` keeps going past EOS (benchmarks).
+
+    `logprobs`: each generated token's log-probability (in `Chunk.logprobs`), with the
+    `top_logprobs` (0-20) likeliest tokens beside it. The penalties and `logit_bias` change the
+    logits before sampling, as OpenAI's and mlx-lm's do: `presence_penalty` and
+    `frequency_penalty` (-2 to 2) subtract once per token present, and per occurrence, among
+    the last `penalty_context` tokens; `repetition_penalty` (> 0, 1 is off) divides the logits of
+    those tokens; `logit_bias` adds (-100 to 100) to the logits of given token ids, as
+    `((token_id, bias), ...)` or a dict."""
 
     max_tokens: int = 256
     temperature: float = 1.0
@@ -42,8 +52,24 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    penalty_context: int = 20
+    logit_bias: tuple[tuple[int, float], ...] | dict[int, float] = ()
+
+    @property
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as sorted (token_id, bias) pairs, however it was given."""
+        b = self.logit_bias
+        return tuple(b) if not isinstance(b, dict) else tuple(sorted(b.items()))
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):  # the natural spelling; kept as sorted pairs
+            pairs = tuple(sorted(self.logit_bias.items()))
+            msgspec.structs.force_setattr(self, "logit_bias", pairs)
         problem = _problem(self)
         if problem is not None:
             raise InvalidRequest(problem)
@@ -82,4 +108,32 @@ def _problem(p: SamplingParams) -> str | None:  # noqa: C901 - a flat list of ch
         return f"stop_token_ids has {len(p.stop_token_ids)} ids; at most {MAX_STOP_STRINGS} are allowed"
     if not isinstance(p.ignore_eos, bool):
         return f"ignore_eos must be a bool, got {p.ignore_eos!r}"
+    return _logits_problem(p)
+
+
+def _logits_problem(p: SamplingParams) -> str | None:  # noqa: C901 - a flat list of checks
+    if not isinstance(p.logprobs, bool):
+        return f"logprobs must be a bool, got {p.logprobs!r}"
+    if not _is_int(p.top_logprobs) or not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+        return f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs!r}"
+    if p.top_logprobs and not p.logprobs:
+        return "top_logprobs needs logprobs=True"
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if not _is_number(value) or not -2.0 <= value <= 2.0:
+            return f"{name} must be a number in [-2, 2], got {value!r}"
+    rp = p.repetition_penalty
+    if not _is_number(rp) or not math.isfinite(rp) or rp <= 0:
+        return f"repetition_penalty must be a finite number > 0 (1 is off), got {rp!r}"
+    if not _is_int(p.penalty_context) or not 1 <= p.penalty_context <= 4096:
+        return f"penalty_context must be an integer in [1, 4096], got {p.penalty_context!r}"
+    bias = p.logit_bias
+    if not isinstance(bias, tuple | list):
+        return f"logit_bias must be a sequence of (token_id, bias) pairs, got {type(bias).__name__}"
+    if len(bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed"
+    for pair in bias:
+        if not (isinstance(pair, tuple | list) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
+                and _is_number(pair[1]) and -100.0 <= pair[1] <= 100.0):
+            return f"logit_bias entries must be (token_id >= 0, bias in [-100, 100]), got {pair!r}"[:200]
     return None

@@ -100,6 +100,12 @@ def check_token_ids(ids: list[Any], vocab_size: int) -> None:
             raise InvalidRequest(f"prompt[{i}] = {t!r} is not a token id in [0, {vocab_size})"[:200])
 
 
+def check_bias(params: SamplingParams, vocab_size: int) -> None:
+    for token, _ in params.bias:
+        if token >= vocab_size:
+            raise InvalidRequest(f"logit_bias names token {token}, not a token id in [0, {vocab_size})")
+
+
 def check_length(prompt_tokens: int, max_tokens: int, context_length: int) -> None:
     """The prompt, and the prompt with its output, must fit the model's context (0: unknown)."""
     context = context_length or 2**62

@@ -17,6 +17,16 @@ class Timings(msgspec.Struct, frozen=True):
     e2e_s: float
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One generated token's log-probability and the likeliest tokens at its place, best first,
+    as (token_id, logprob). Log-probabilities are of the distribution the sampler drew from
+    before temperature, top-p, top-k and min-p: after penalties and `logit_bias`."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
 class Chunk(msgspec.Struct, frozen=True):
     """New text of one request. Exactly one chunk per request has a `finish_reason`: the last,
     which also carries the token counts, timings and (for "error") the error message."""
@@ -31,6 +41,8 @@ class Chunk(msgspec.Struct, frozen=True):
     error: str | None = None
     cached_tokens: int = 0
     """Prompt tokens whose KV came from prefix blocks or a session instead of prefill."""
+    logprobs: list[TokenLogprob] | None = None
+    """With `SamplingParams(logprobs=True)`: one per token of `token_ids`, in order."""
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -46,6 +58,8 @@ class Completion(msgspec.Struct, frozen=True):
     error: str | None = None
     cached_tokens: int = 0
     """Prompt tokens whose KV came from prefix blocks or a session instead of prefill."""
+    logprobs: list[TokenLogprob] | None = None
+    """With `SamplingParams(logprobs=True)`: one per token of `token_ids`, in order."""
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):

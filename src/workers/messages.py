@@ -15,6 +15,26 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True):
     seed: int | None = None
 
 
+class Processing(msgspec.Struct, frozen=True, array_like=True):
+    """A row's logits processors (mlx-lm's): penalties over its last `context` tokens, and
+    additive biases. Rows without them cost the step nothing."""
+
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    context: int = 20
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+class Logprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The log-probability of a step's token `tokens[at]`, and the `top` likeliest tokens."""
+
+    at: int
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 Key = int | str
 """A stored KV entry: a prefix block's chained hash (int) or a session name (str); the same
 meaning as `kvpool.books.Key` (the two packages do not import each other)."""
@@ -40,6 +60,9 @@ class Admit(msgspec.Struct, frozen=True, tag=True):
     resume: bool = False
     sampled: int = 0
     """Tokens this request generated before (it was preempted): a seeded sampler skips as many."""
+    processing: Processing | None = None
+    logprobs: int = -1
+    """-1: none; 0: each token's log-probability; k: and the k likeliest tokens'."""
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -87,6 +110,8 @@ class StepOutput(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=Tru
     """Session turns that could not continue their kept KV and prefilled cold."""
     handoff: bool = False
     """The worker waits for `GPUWorker.release` before building its next step (a first token)."""
+    logprobs: list[Logprobs] = []
+    """For the tokens of rows that asked for them."""
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True):

@@ -225,7 +225,7 @@ class GPUWorker(Generic[InfoT]):
             out = StepOutput(
                 self._step, r.rids, r.tokens, r.finished, r.reasons, aborted, engine.held(),
                 t_start, t_end, r.prefill_tokens, kept + r.stored, r.active_bytes,
-                r.session_fallbacks, handoff,
+                r.session_fallbacks, handoff, r.logprobs,
             )
             if not (r.rids or r.finished or aborted or out.stored or r.session_fallbacks):
                 # Prefill only: nothing the loop must act on now. Waking it would take the GIL

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import structlog
 
-from scheduler.admission.live import HOLDS_ROW, Counters, Deadlines, Live, State, by_row
+from scheduler.admission.live import HOLDS_ROW, Counters, Deadlines, Live, State, by_row, logprobs_by_row
 from scheduler.admission.memory import Memory, admit_message
 from scheduler.admission.plan import Plan
 from scheduler.errors import InvalidRequest, QueueFull, SchedulerClosed, SchedulerError
@@ -119,7 +119,7 @@ class AdmissionCore:
         )
         self._live[rid] = Live(
             item, msg, out, TextStream(self._codec, req.params.stop), prompt=msg.tokens,
-            parts=None if msg.stream else [],
+            parts=None if msg.stream else [], logprobs=[] if req.params.logprobs else None,
         )
         self._policy.push(item, now)
         if deadline is not None:
@@ -179,6 +179,7 @@ class AdmissionCore:
         for key, size in reversed(out.stored):  # a chain leaf first: its root stays longest
             memory.cache(key, size)
         per_row = by_row(out.rids, out.tokens)
+        lps = logprobs_by_row(out) if out.logprobs else None
         c.generated_tokens += len(out.tokens)
         if out.t_end > out.t_start:  # not a message that only confirms aborts
             self._obs.step(out.held, out.t_end - out.t_start, len(out.tokens))
@@ -190,6 +191,8 @@ class AdmissionCore:
                 continue
             text, hit = live.text.add(tokens)
             n = live.took(tokens)
+            if lps is not None and live.logprobs is not None:
+                live.logprobs.extend(lps.get(rid, ()))
             if live.pinned:  # its prompt is in the batch: the cached blocks may go
                 live.pinned = False
                 memory.unpin(rid)
@@ -212,7 +215,7 @@ class AdmissionCore:
                 self._aborts.append(rid)
             else:
                 if live.parts is None:
-                    deliver.append((live, Chunk(rid, text, tokens)))
+                    deliver.append((live, Chunk(rid, text, tokens, logprobs=live.take_logprobs())))
                 else:
                     live.parts.append(text)
                 touched.append(live)

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler.types import Chunk, Timings
+from scheduler.types import Chunk, Timings, TokenLogprob
 
 if TYPE_CHECKING:
     from collections.abc import Container
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from scheduler.streaming.chunks import ChunkOut
     from scheduler.streaming.detokenize import TextStream
     from scheduler.types import FinishReason
+    from workers.messages import StepOutput
 
 
 class State(enum.Enum):
@@ -77,6 +78,9 @@ class Live:
     """Prompt tokens its first admission found cached (prefix blocks or a session)."""
     parts: list[str] | None = None
     """Text so far of a request that is not streamed (it gets one chunk); None when streamed."""
+    logprobs: list[TokenLogprob] | None = None
+    """Log-probabilities not yet delivered (None: not asked for): those of the tokens since the
+    last chunk when streamed, all of them when not."""
 
     @property
     def rid(self) -> int:
@@ -92,6 +96,13 @@ class Live:
             self.state = State.RUNNING
         return n
 
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        """What the next chunk carries: the pending log-probabilities, aligned with its tokens."""
+        lps = self.logprobs
+        if lps is not None and self.parts is None:
+            self.logprobs = []
+        return lps
+
     def final_chunk(
         self, reason: FinishReason, text: str, tokens: list[int], error: str | None, now: float
     ) -> Chunk:
@@ -105,6 +116,7 @@ class Live:
         return Chunk(
             self.rid, text, tokens, reason, len(self.submit.tokens), self.completion_tokens,
             Timings(queue_s=queue_s, ttft_s=ttft_s, e2e_s=now - t0), error, self.cached_tokens,
+            self.take_logprobs(),
         )
 
 
@@ -133,6 +145,16 @@ class Deadlines:
 
     def clear(self) -> None:
         self._heap.clear()
+
+
+def logprobs_by_row(out: StepOutput) -> dict[int, list[TokenLogprob]]:
+    """A step's log-probabilities grouped by request, in token order."""
+    per_row: dict[int, list[TokenLogprob]] = {}
+    for lp in out.logprobs:
+        top = list(zip(lp.top_ids, lp.top_logprobs, strict=True))
+        entry = TokenLogprob(out.tokens[lp.at], lp.logprob, top)
+        per_row.setdefault(out.rids[lp.at], []).append(entry)
+    return per_row
 
 
 def by_row(rids: list[int], tokens: list[int]) -> dict[int, list[int]]:

@@ -27,13 +27,14 @@ from kvpool.messages import (
 )
 from scheduler.admission.kvplan import KVPlan, prompt_keys
 from scheduler.admission.live import State
-from workers.messages import Admit, SamplingSpec
+from workers.messages import Admit, Processing, SamplingSpec
 
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream
 
     from metrics.observer import Observer
     from scheduler.admission.live import Counters, Live
+    from scheduler.params import SamplingParams
     from workers.messages import Key
 
 class Memory:
@@ -250,8 +251,18 @@ def admit_message(live: Live, granted: Granted, eos: tuple[int, ...]) -> Admit:
         sampling=SamplingSpec(params.temperature, params.top_p, params.top_k, params.min_p, params.seed),
         stop_token_ids=tuple(dict.fromkeys(stops)), prefix=keys[:hits], store=keys[hits:],
         session=live.submit.request.session, resume=granted.session_tokens > 0,
-        sampled=live.completion_tokens,
+        sampled=live.completion_tokens, processing=processing(params),
+        logprobs=params.top_logprobs if params.logprobs else -1,
     )
+
+
+def processing(p: SamplingParams) -> Processing | None:
+    """The row's logits processors, or None when it asks for none (the common case: free)."""
+    if (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and not p.logit_bias):
+        return None
+    return Processing(p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                      p.penalty_context, p.bias)
 
 
 class Outcome:

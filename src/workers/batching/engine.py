@@ -18,8 +18,9 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_samp
 from workers.batching.budget import PrefillBudget
 from workers.batching.cachekinds import cache_support, trimmable
 from workers.batching.kvstore import KVStore, LayerKV, common_prefix
+from workers.batching.logits import Wanted, processors
 from workers.batching.maskfree import MaskFreeDecode
-from workers.messages import Admit, Key, SamplingSpec
+from workers.messages import Admit, Key, Logprobs, SamplingSpec
 
 Sampler = Callable[[mx.array], mx.array]
 log = structlog.get_logger("workers")
@@ -43,6 +44,8 @@ class StepResult(NamedTuple):
     `SchedulerStats.session_fallbacks`) and prefill cold."""
     first: bool = False
     """Some request emitted its first token in this step (the worker hands the loop its turn)."""
+    logprobs: list[Logprobs] = []
+    """For the tokens of rows that asked for them (`at` indexes `tokens`)."""
 
 
 class Engine(Protocol):
@@ -154,6 +157,8 @@ class MLXEngine:
         self._rid_of: dict[int, int] = {}
         self._uid_of: dict[int, int] = {}
         self._samplers: dict[SamplingSpec, Sampler | None] = {}
+        self._logprobs_of: dict[int, int] = {}
+        """Rows that asked for log-probabilities: how many of the likeliest tokens to list."""
         self._stops: dict[tuple[int, ...], StopSequences] = {}
 
     def _sampler(self, spec: SamplingSpec, skip: int = 0) -> Sampler | None:
@@ -216,11 +221,15 @@ class MLXEngine:
             caches=[c for _, c, _ in starts] if any(c is not None for _, c, _ in starts) else None,
             all_tokens=[t for _, _, t in starts],
             samplers=cast("Any", [self._sampler(a.sampling, a.sampled) for a in admits]),
+            logits_processors=[processors(a.processing) for a in admits]
+            if any(a.processing is not None for a in admits) else None,
             stop_sequences=[self._stop(a.stop_token_ids) for a in admits],
         )
         for uid, admit, (rest, _, _) in zip(uids, admits, starts, strict=True):
             self._rid_of[uid] = admit.rid
             self._uid_of[admit.rid] = uid
+            if admit.logprobs >= 0:
+                self._logprobs_of[admit.rid] = admit.logprobs
             self._budget.inserted(len(rest), admit.max_tokens)
             if self._store is not None:
                 if admit.store and self.support.prefix_blocks:
@@ -278,6 +287,7 @@ class MLXEngine:
         for rid in rids:
             self._store_plan.pop(rid, None)
             self._session_of.pop(rid, None)
+            self._logprobs_of.pop(rid, None)
             self._emitting.discard(rid)
         uids = [self._uid_of.pop(rid) for rid in rids if rid in self._uid_of]
         if uids:
@@ -306,6 +316,7 @@ class MLXEngine:
         stored: list[tuple[Key, int]] = []
         plan = self._store_plan
         emitting = self._emitting
+        wanted, logprobs_of = Wanted(), self._logprobs_of
         first = False
         for r in responses:
             rid = self._rid_of[r.uid]
@@ -313,6 +324,8 @@ class MLXEngine:
                 emitting.add(rid)
                 first = True
             if r.finish_reason != "stop":  # a stop token ends the output; it is not part of it
+                if logprobs_of and rid in logprobs_of:
+                    wanted.add(len(tokens), r.token, r.logprobs, logprobs_of[rid])
                 rids.append(rid)
                 tokens.append(r.token)
             if plan and rid in plan:
@@ -321,6 +334,7 @@ class MLXEngine:
                 finished.append(rid)
                 reasons.append(r.finish_reason)
                 emitting.discard(rid)
+                logprobs_of.pop(rid, None)
                 del self._rid_of[r.uid]
                 del self._uid_of[rid]
                 session = self._session_of.pop(rid, None)
@@ -331,7 +345,7 @@ class MLXEngine:
         fallbacks, self._fallbacks = self._fallbacks, 0
         return StepResult(
             rids, tokens, finished, reasons, prefilled, stored, mx.get_active_memory(), fallbacks,
-            first,
+            first, wanted.take() if wanted else [],
         )
 
     def has_work(self) -> bool:
@@ -357,3 +371,4 @@ class MLXEngine:
         self._uid_of.clear()
         self._store_plan.clear()
         self._session_of.clear()
+        self._logprobs_of.clear()

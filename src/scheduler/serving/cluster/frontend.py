@@ -28,6 +28,7 @@ from scheduler.serving.http.app import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKE
 from scheduler.serving.http.bodies import read_body
 from scheduler.serving.http.errors import ApiError, from_scheduler, internal, json_response, not_found
 from scheduler.serving.http.errors import shutting_down as closing_error
+from scheduler.serving.http.logprobs import TokenTexts
 from scheduler.serving.http.prompts import Tokenizing, chat_ids
 from scheduler.serving.http.sse import EventStream
 from scheduler.types import Chunk
@@ -135,6 +136,7 @@ class Frontend:
         self._tokens = Tokenizing(config.server.tokenize_threads)
         self._access = Access.of(config.server)
         self._vocab = 0
+        self._texts: TokenTexts | None = None
         # Up at once, answering 503 until the tokenizer and a replica are ready: no refused or
         # hanging connections while the replicas load the model.
         self._ready = asyncio.get_running_loop().create_task(self._start(config, model_name))
@@ -245,7 +247,7 @@ class Frontend:
         return Job(request, tuple(prompt_keys(request.prompt, self._block_tokens)))
 
     async def _run(self, rid: str, job: Job, streaming: bool, render: Callable[[Chunk], list[bytes]],
-                   whole: Callable[[rs.Head, str, Chunk], msgspec.Struct]) -> Response:
+                   whole: Callable[[rs.Head, rs.Collected], msgspec.Struct]) -> Response:
         for attempt in range(OPENING_TRIES):
             # A replica that died before its first word produced nothing: try the survivors.
             gen = self._backend.options(stream=True).generate.remote(job)
@@ -269,11 +271,13 @@ class Frontend:
             response = ClusterEventStream(cast("RequestStream", stream), first, render, rid)
             response.headers[REPLICA_HEADER] = replica
             return response
-        text, last = [first.text], first
+        collected = rs.Collected()
+        collected.add(first)
         async with stream:
-            while last.finish_reason is None:
-                last = await stream.__anext__()
-                text.append(last.text)
+            while first.finish_reason is None:
+                first = await stream.__anext__()
+                collected.add(first)
+        last = collected.final
         if last.finish_reason == "error":
             if last.request_id == REPLICA_FAILED:
                 raise replica_failed(replica)
@@ -281,10 +285,12 @@ class Frontend:
             raise internal(rid)
         if last.finish_reason == "cancelled":
             raise closing_error()
-        return json_response(whole(self._head(rid), "".join(text), last), headers=headers)
+        return json_response(whole(self._head(rid), collected), headers=headers)
 
     def _head(self, rid: str) -> rs.Head:
-        return rs.Head(rid, int(time.time()), self._model_name)
+        if self._texts is None:
+            self._texts = TokenTexts(self._codec.tokenizer)
+        return rs.Head(rid, int(time.time()), self._model_name, self._texts)
 
     # ---- the rest -----------------------------------------------------------------------------
     async def _models(self, request: Request, rid: str) -> Response:

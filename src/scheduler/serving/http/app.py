@@ -32,6 +32,7 @@ from scheduler.serving.http.errors import (
     json_response,
     shutting_down,
 )
+from scheduler.serving.http.logprobs import TokenTexts
 from scheduler.serving.http.prompts import SchedulerPrompts, Tokenizing, chat_ids
 from scheduler.serving.http.shutdown import Gate
 from scheduler.serving.http.sse import ClientGone, EventStream, unless_disconnected
@@ -114,6 +115,7 @@ class _OpenAI:
         self.gate = Gate()
         self.gate.scheduler = scheduler
         self.tokens = Tokenizing(limits.tokenize_threads)
+        self._texts: TokenTexts | None = None
 
     def lifespan(self, config: SchedulerConfig) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
         @asynccontextmanager
@@ -132,6 +134,11 @@ class _OpenAI:
         if self._scheduler is None or self.gate.closing:
             raise shutting_down()
         return self._scheduler
+
+    def head(self, rid: str) -> rs.Head:
+        if self._texts is None:
+            self._texts = TokenTexts(self.sched.model.codec.tokenizer)
+        return rs.Head(rid, int(time.time()), self.model_name, self._texts)
 
     @property
     def model_name(self) -> str:
@@ -167,7 +174,7 @@ class _OpenAI:
     async def completions(self, request: Request, rid: str) -> Response:
         req = rq.decode(await read_body(request, self._limits.body_timeout_s), rq.CompletionRequest)
         rq.check_completion(req)
-        sched, head = self.sched, rs.Head(rid, int(time.time()), self.model_name)
+        sched, head = self.sched, self.head(rid)
         vocab = sched.model.info.vocab_size
         job = rq.request(req, rq.completion_prompt(req), req.max_tokens, DEFAULT_MAX_TOKENS, vocab)
         if isinstance(job.prompt, str):  # checked as a Request first, then bounded tokenizing
@@ -176,13 +183,13 @@ class _OpenAI:
         stream = sched.submit(job)
         if req.stream:
             return await _event_stream(request, rid, stream, rs.CompletionEvents(head, _usage(req)))
-        text, last = await _whole(request, rid, stream)
-        return json_response(rs.completion(head, text, last), headers={"x-request-id": rid})
+        return json_response(rs.completion(head, await _whole(request, rid, stream)),
+                             headers={"x-request-id": rid})
 
     async def chat(self, request: Request, rid: str) -> Response:
         req = rq.decode(await read_body(request, self._limits.body_timeout_s), rq.ChatRequest)
         rq.check_chat(req)
-        sched, head = self.sched, rs.Head(rid, int(time.time()), self.model_name)
+        sched, head = self.sched, self.head(rid)
         ids = await chat_ids(self.tokens, SchedulerPrompts(sched), rq.chat_messages(req))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         room = sched.model.info.context_length - len(ids)
@@ -190,8 +197,8 @@ class _OpenAI:
         stream = sched.submit(rq.request(req, ids, max_tokens, default, sched.model.info.vocab_size))
         if req.stream:
             return await _event_stream(request, rid, stream, rs.ChatEvents(head, _usage(req)))
-        text, last = await _whole(request, rid, stream)
-        return json_response(rs.chat_completion(head, text, last), headers={"x-request-id": rid})
+        return json_response(rs.chat_completion(head, await _whole(request, rid, stream)),
+                             headers={"x-request-id": rid})
 
     async def models(self, request: Request, rid: str) -> Response:
         info = self.sched.model.info
@@ -239,20 +246,21 @@ async def _event_stream(
     return EventStream(stream, first, render, rid)
 
 
-async def _whole(request: Request, rid: str, stream: RequestStream) -> tuple[str, Chunk]:
-    async def collect() -> tuple[str, Chunk]:
-        text: list[str] = []
+async def _whole(request: Request, rid: str, stream: RequestStream) -> rs.Collected:
+    async def collect() -> rs.Collected:
+        out = rs.Collected()
         async for chunk in stream:
-            text.append(chunk.text)
+            out.add(chunk)
             if chunk.finish_reason is not None:
-                return "".join(text), chunk
+                return out
         raise AssertionError("a request stream ends with a finish_reason")
 
     async with stream:
-        text, last = await unless_disconnected(request.receive, collect)
+        collected = await unless_disconnected(request.receive, collect)
+    last = collected.final
     if last.finish_reason == "cancelled":
         raise shutting_down()
     if last.finish_reason == "error":
         log.error("request_failed", request_id=rid, error=last.error)
         raise internal(rid)
-    return text, last
+    return collected

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 # The request fields a scheduler `InvalidRequest` message can name.
 _PARAMS = frozenset({
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "priority", "prompt",
-    "messages",
+    "messages", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "penalty_context", "logit_bias",
 })
 
 

@@ -1,7 +1,7 @@
 """OpenAI request bodies as msgspec Structs, checked and mapped onto the scheduler's arguments.
 
 Unknown fields are ignored (clients send many); known OpenAI features this server cannot honour
-(n > 1, logprobs, penalties, tools, ...) are rejected with a 400 that names the field."""
+(tools, structured output, ...) are rejected with a 400 that names the field."""
 
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ class _Request(msgspec.Struct, kw_only=True, frozen=True):
     top_k: int | None = None
     min_p: float | None = None
     ignore_eos: bool | None = None
+    repetition_penalty: float | None = None
+    repetition_context_size: int | None = None
 
 
 class CompletionRequest(_Request, kw_only=True, frozen=True):
@@ -113,11 +115,6 @@ def check_common(req: _Request) -> None:
     """Reject what this server cannot do rather than silently doing something else."""
     if req.n not in (None, 1):
         raise invalid(f"n must be 1 (one choice per request), got {req.n}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0):
-            raise invalid(f"{name} is not supported; leave it unset or 0", name)
-    if req.logit_bias:
-        raise invalid("logit_bias is not supported", "logit_bias")
     if req.user is not None and len(req.user) > MAX_USER_CHARS:
         raise invalid(f"user must have at most {MAX_USER_CHARS} characters", "user")
     if req.session is not None and not 0 < len(req.session) <= MAX_USER_CHARS:
@@ -132,14 +129,12 @@ def check_completion(req: CompletionRequest) -> None:
         raise invalid("echo is not supported", "echo")
     if req.suffix:
         raise invalid("suffix is not supported", "suffix")
-    if req.logprobs is not None:
-        raise invalid("logprobs is not supported", "logprobs")
 
 
 def check_chat(req: ChatRequest) -> None:
     check_common(req)
-    if req.logprobs or req.top_logprobs:
-        raise invalid("logprobs is not supported", "logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     if req.tools:
         raise invalid("tools are not supported", "tools")
     if req.response_format is not None and req.response_format.type != "text":
@@ -190,8 +185,8 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
 
 
 def request(
-    req: _Request, prompt: str | list[int], max_tokens: int | None, default_max_tokens: int,
-    vocab_size: int = 0,
+    req: CompletionRequest | ChatRequest, prompt: str | list[int], max_tokens: int | None,
+    default_max_tokens: int, vocab_size: int = 0,
 ) -> Request:
     """The `Request` for the body `req` (its prompt already taken out or tokenized); it raises
     `InvalidRequest` naming a bad field."""
@@ -201,7 +196,7 @@ def request(
 
 
 def sampling(
-    req: _Request, max_tokens: int | None, default_max_tokens: int, vocab_size: int = 0
+    req: CompletionRequest | ChatRequest, max_tokens: int | None, default_max_tokens: int, vocab_size: int = 0
 ) -> SamplingParams:
     """`SamplingParams` for the request; it raises `InvalidRequest` naming a bad field.
     Temperature: over 2 is refused (OpenAI), (0, 0.01) raised to 0.01 (vLLM); a `top_k` of at
@@ -216,6 +211,10 @@ def sampling(
     top_k = req.top_k or 0
     if vocab_size and top_k >= vocab_size:
         top_k = 0
+    if isinstance(req, ChatRequest):
+        logprobs, top = bool(req.logprobs), req.top_logprobs or 0
+    else:  # a completion's `logprobs` is how many of the likeliest tokens to list (0: none)
+        logprobs, top = req.logprobs is not None, req.logprobs or 0
     return SamplingParams(
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
         temperature=temperature,
@@ -225,7 +224,26 @@ def sampling(
         seed=req.seed,
         stop=stop,
         ignore_eos=bool(req.ignore_eos),
+        logprobs=logprobs,
+        top_logprobs=top,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        penalty_context=req.repetition_context_size or 20,
+        logit_bias=logit_bias(req.logit_bias),
     )
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` as (token_id, bias) pairs."""
+    if not bias:
+        return ()
+    pairs = []
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise invalid(f"logit_bias keys must be token ids, got {key!r}"[:200], "logit_bias")
+        pairs.append((int(key), value))
+    return tuple(sorted(pairs))
 
 
 def tenant(req: _Request) -> str:
