@@ -12,8 +12,10 @@ import openai
 import pytest
 
 from scheduler import SamplingParams, Scheduler
+from scheduler.config import SchedulerConfig
 from scheduler.errors import InvalidRequest
 from scheduler.serving.http.app import create_app
+from tests.test_actors import wait_idle
 from tests.test_integration import prompts, tiny
 
 if TYPE_CHECKING:
@@ -29,6 +31,11 @@ PENALIZED: list[dict[str, Any]] = [
     {"logit_bias": {42: 100.0}},
     {"logit_bias": ((7, -100.0), (240, -100.0)), "presence_penalty": -0.5},
 ]
+
+
+def small_blocks(cache: Path) -> SchedulerConfig:
+    return SchedulerConfig.from_toml(
+        f'[model]\npath = "synthetic:tiny"\ncache_dir = "{cache}"\n[kvpool]\nblock_tokens = 16\n')
 
 
 def alone(cache: Path, prompt: list[int], max_tokens: int, **kw: Any) -> tuple[list[int], list[float]]:
@@ -174,3 +181,29 @@ async def test_the_openai_client_gets_logprobs_and_penalties_in_openais_shapes(m
     assert too_many.value.status_code == 400 and too_many.value.body["param"] == "top_logprobs"  # type: ignore[index]
     assert bad_key.value.body["param"] == "logit_bias"  # type: ignore[index]
     assert no_logprobs.value.body["param"] == "top_logprobs"  # type: ignore[index]
+
+
+async def test_n_choices_share_the_prompts_kv_and_each_ends_once(model_cache: Path) -> None:
+    prompt = prompts(1, seed=4)[0] * 3  # long enough for several 16-token blocks
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=21, n=4, ignore_eos=True, logprobs=True)
+    with anyio.fail_after(120):
+        async with Scheduler(small_blocks(model_cache)) as s:
+            whole = await s.complete(prompt, params)
+            finals, indexes = {}, []
+            async for chunk in s.generate(prompt, params):
+                indexes.append(chunk.index)
+                if chunk.finish_reason is not None:
+                    finals[chunk.index] = chunk
+            singles = [await s.complete(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=21 + i,
+                                                               ignore_eos=True)) for i in range(4)]
+            async with s.generate(prompt, params) as early:  # leaving early cancels every choice
+                async for _ in early:
+                    break
+            await wait_idle(s)
+            stats = s.stats()
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3] and whole.token_ids == whole.choices[0].token_ids
+    assert [c.token_ids for c in whole.choices] == [c.token_ids for c in singles]  # choice i is seed + i
+    assert all(len(c.logprobs or []) == 8 for c in whole.choices)
+    assert sorted(finals) == [0, 1, 2, 3] and set(indexes) == {0, 1, 2, 3}
+    assert all(c.cached_tokens > 0 for c in whole.choices[1:])  # the prompt's blocks, prefilled once
+    assert stats.running == stats.waiting == stats.blocks_used == 0

@@ -14,7 +14,7 @@ import pytest
 from scheduler import SamplingParams, Scheduler
 from scheduler.serving.http.app import create_app
 from scheduler.serving.http.sse import coalesce
-from scheduler.types import Chunk
+from scheduler.types import Chunk, TokenLogprob
 from tests.test_actors import wait_idle
 from tests.test_server import completions_scope, config, events, served
 
@@ -67,13 +67,20 @@ async def test_cached_tokens_count_a_sessions_kv_in_chat(model_cache: Path) -> N
     assert first["usage"]["prompt_tokens"] < cached < usage["prompt_tokens"]
 
 
-def test_coalesce_joins_text_and_tokens_and_keeps_the_last_ending() -> None:
-    first = Chunk(3, "He", [1])
-    assert coalesce(first, []) is first
-    last = Chunk(3, "!", [4], finish_reason="length", prompt_tokens=5, completion_tokens=3, cached_tokens=2)
-    merged = coalesce(first, [Chunk(3, "llo", [2, 3]), last])
-    assert merged == Chunk(3, "Hello!", [1, 2, 3, 4], finish_reason="length", prompt_tokens=5,
-                           completion_tokens=3, cached_tokens=2)
+def test_coalesce_joins_each_choices_run_and_keeps_its_ending() -> None:
+    first = Chunk(3, "He", [1], logprobs=[TokenLogprob(1, -0.5)])
+    assert coalesce([first]) == [first]
+    last = Chunk(3, "!", [4], finish_reason="length", prompt_tokens=5, completion_tokens=3, cached_tokens=2,
+                 logprobs=[TokenLogprob(4, -0.25)])
+    other = Chunk(3, "x", [9], index=1)
+    merged = coalesce([first, Chunk(3, "llo", [2, 3], logprobs=[TokenLogprob(2, -1.0), TokenLogprob(3, -2.0)]),
+                       other, Chunk(3, "y", [8], index=1), last])
+    assert merged == [
+        Chunk(3, "Hello", [1, 2, 3], logprobs=[TokenLogprob(1, -0.5), TokenLogprob(2, -1.0), TokenLogprob(3, -2.0)]),
+        Chunk(3, "xy", [9, 8], index=1),
+        last,
+    ]
+    assert coalesce([last, Chunk(3, "late", [5])])[1].text == "late"  # a final ends its run
 
 
 async def test_a_stream_sends_what_a_slow_reader_missed_in_one_write(model_cache: Path) -> None:

@@ -149,7 +149,8 @@ async def test_models_health_and_metrics(model_cache: Path) -> None:
 
 
 BAD_COMPLETIONS = [
-    ({"prompt": "x", "n": 2}, "n", "n must be 1"),
+    ({"prompt": "x", "n": 17}, "n", "n must be an integer in [1, 16]"),
+    ({"prompt": "x", "n": 0}, "n", "n must be an integer"),
     ({"prompt": "x", "temperature": -0.5}, "temperature", "temperature must be >= 0"),
     ({"prompt": "x", "top_p": 0}, "top_p", "top_p must be in (0, 1]"),
     ({"prompt": "x", "top_p": 1.5}, "top_p", "top_p"),
@@ -159,8 +160,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stop": 3}, "stop", "stop: expected"),
     ({"prompt": "x", "stop": ["ok", ""]}, "stop", "each stop string"),
     ({"prompt": "x", "top_k": -1}, "top_k", "top_k must be"),
-    ({"prompt": "x", "logprobs": 1}, "logprobs", "logprobs is not supported"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported"),
+    ({"prompt": "x", "logprobs": 21}, "top_logprobs", "top_logprobs must be an integer in [0, 20]"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be a number in [-2, 2]"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "logit_bias entries must be"),
+    ({"prompt": "x", "repetition_penalty": -1}, "repetition_penalty", "repetition_penalty must be"),
     ({"prompt": "x", "user": "u" * 300}, "user", "user must have at most 256"),
     ({"prompt": "x", "priority": "high"}, "priority", "priority: expected `int`"),
     ({}, "prompt", "prompt is required"),
@@ -380,8 +383,14 @@ async def test_openai_client_against_uvicorn(model_cache: Path) -> None:
                 chat = await client.chat.completions.create(messages=[HELLO], **greedy)
                 chunks = [c async for c in await client.chat.completions.create(
                     messages=[HELLO], stream=True, stream_options={"include_usage": True}, **greedy)]
-                with pytest.raises(openai.BadRequestError, match="n must be 1"):
-                    await client.completions.create(prompt="x", n=2, model="synthetic:tiny")
+                three = {"model": "synthetic:tiny", "n": 3, "max_tokens": 5, "seed": 11, "temperature": 1.0,
+                         "extra_body": {"ignore_eos": True}}
+                many = await client.completions.create(prompt="Once upon a time", **three)
+                many_streamed = [c async for c in await client.completions.create(
+                    prompt="Once upon a time", stream=True, stream_options={"include_usage": True}, **three)]
+                many_chat = await client.chat.completions.create(messages=[HELLO], **three)
+                with pytest.raises(openai.BadRequestError, match="n must be an integer"):
+                    await client.completions.create(prompt="x", n=17, model="synthetic:tiny")
     assert [m.id for m in models.data] == ["synthetic:tiny"]
     assert whole.choices[0].finish_reason == "length" and whole.usage is not None and whole.usage.completion_tokens == 6
     assert "".join(streamed) == whole.choices[0].text
@@ -389,6 +398,18 @@ async def test_openai_client_against_uvicorn(model_cache: Path) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == chat.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == chat.usage.total_tokens
+    # n = 3: three choices, each its own seed, the same whether streamed or not
+    assert [c.index for c in many.choices] == [0, 1, 2] and many.usage is not None
+    assert many.usage.completion_tokens == 15 and len({c.text for c in many.choices}) > 1
+    by_index: dict[int, str] = {}
+    for event in many_streamed:
+        for c in event.choices:
+            by_index[c.index] = by_index.get(c.index, "") + c.text
+    assert by_index == {c.index: c.text for c in many.choices}
+    assert sum(1 for e in many_streamed for c in e.choices if c.finish_reason) == 3
+    assert many_streamed[-1].usage is not None and many_streamed[-1].usage.completion_tokens == 15
+    assert [c.index for c in many_chat.choices] == [0, 1, 2]
+    assert all(c.message.role == "assistant" and c.finish_reason == "length" for c in many_chat.choices)
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

@@ -35,10 +35,11 @@ from scheduler.request import (
     check_session,
     check_token_ids,
     make_request,
+    sibling_requests,
 )
-from scheduler.streaming.chunks import ChunkOut, ChunkReceiver, chunk_channel
-from scheduler.streaming.stream import RequestStream, prompt_tokens
-from scheduler.types import Chunk, Completion, SchedulerStats, TokenLogprob
+from scheduler.streaming.chunks import ChunkOut, SharedSender, SiblingReceiver, chunk_channel
+from scheduler.streaming.gather import Gather
+from scheduler.streaming.stream import Receiver, RequestStream, prompt_tokens
 from workers.worker import EngineFactory, GPUWorker, WorkerStartError
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 
     from kvpool.messages import PoolReplies
     from scheduler.params import SamplingParams
+    from scheduler.types import Completion, SchedulerStats
     from workers.factory import Loaded
     from workers.messages import WorkerEvent
 
@@ -264,25 +266,12 @@ class Scheduler:
             request = prompt
         else:
             request = make_request(prompt, params, priority, tenant, timeout, session)
-        text: list[str] = []
-        ids: list[int] = []
-        lps: list[TokenLogprob] | None = [] if request.params.logprobs else None
-        last: Chunk | None = None
+        gather = Gather()
         # Not streamed: one chunk at the end, so this task is not woken once per step.
         async with self.submit(request, stream=False) as stream:
             async for chunk in stream:
-                text.append(chunk.text)
-                ids.extend(chunk.token_ids)
-                if lps is not None and chunk.logprobs:
-                    lps.extend(chunk.logprobs)
-                last = chunk
-        assert last is not None and last.finish_reason is not None and last.timings is not None
-        return Completion(
-            request_id=last.request_id, text="".join(text), token_ids=ids,
-            finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
-            completion_tokens=last.completion_tokens, timings=last.timings, error=last.error,
-            cached_tokens=last.cached_tokens, logprobs=lps,
-        )
+                gather.add(chunk)
+        return gather.completion()
 
     def stats(self) -> SchedulerStats:
         """A snapshot of queue, batch and pool."""
@@ -319,20 +308,42 @@ class Scheduler:
         if self._state != "running":
             raise SchedulerClosed(f"the scheduler is {self._state}; requests need a running one")
 
-    async def _submit(self, request: Request, stream: bool = True) -> tuple[int, ChunkReceiver]:
+    async def _submit(self, request: Request, stream: bool = True) -> tuple[int, Receiver]:
         submitted_at = time.perf_counter()
         self._check_running()
         tokens = await prompt_tokens(request.prompt, self.model.codec.encode)
         out_send, out_recv = chunk_channel()  # the actor sends at most max_tokens + 2 chunks
+        choices = sibling_requests(request)
+        shared = SharedSender(out_send, len(choices))
         try:
-            rid = await self._send(request, tokens, out_send, stream, submitted_at)
+            # Choice 0 streams, whatever was asked: its first chunk tells when its prompt is in.
+            rid = await self._send(choices[0], tokens, shared.part(), stream or len(choices) > 1,
+                                   submitted_at)
         except SchedulerError:
             out_recv.close()
             raise
-        return rid, out_recv
+        if len(choices) == 1:
+            return rid, out_recv
+
+        async def submit_rest() -> list[int]:
+            rids: list[int] = []
+            parts = [shared.part() for _ in choices[1:]]
+            try:
+                for i, (choice, part) in enumerate(zip(choices[1:], parts, strict=True), 1):
+                    rids.append(await self._send(choice, tokens, part, stream, submitted_at, i))
+            except SchedulerError:
+                for part in parts[len(rids):]:
+                    part.close()  # never submitted: the channel must not wait for them
+                for r in rids:
+                    self.cancel(r)
+                raise
+            return rids
+
+        return rid, SiblingReceiver(out_recv, submit_rest)
 
     async def _send(
-        self, request: Request, tokens: list[int], out: ChunkOut, stream: bool, submitted_at: float
+        self, request: Request, tokens: list[int], out: ChunkOut, stream: bool, submitted_at: float,
+        index: int = 0,
     ) -> int:
         """Hand the request to the admission actor: its id (for `cancel`), or its refusal raised;
         `out` takes the chunks as the actor sends them."""
@@ -340,7 +351,7 @@ class Scheduler:
         self._check_running()
         assert self._admission is not None
         reply_send, reply_recv = anyio.create_memory_object_stream[int | SchedulerError](1)
-        msg = Submit(request, tokens, submitted_at, stream)
+        msg = Submit(request, tokens, submitted_at, stream, index)
         self._admission.send.send_nowait(SubmitEnvelope(msg, reply_send, out))
         with reply_recv, anyio.CancelScope(shield=True):
             # Shielded: once submitted, we must learn the id to be able to cancel it.

@@ -12,6 +12,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
+MAX_CHOICES = 16
 
 
 def _is_int(value: object) -> bool:
@@ -59,6 +60,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     repetition_penalty: float = 1.0
     penalty_context: int = 20
     logit_bias: tuple[tuple[int, float], ...] | dict[int, float] = ()
+    n: int = 1
+    """Choices to generate for the prompt (up to 16); they share its KV through the prefix cache."""
 
     @property
     def bias(self) -> tuple[tuple[int, float], ...]:
@@ -112,6 +115,8 @@ def _problem(p: SamplingParams) -> str | None:  # noqa: C901 - a flat list of ch
 
 
 def _logits_problem(p: SamplingParams) -> str | None:  # noqa: C901 - a flat list of checks
+    if not _is_int(p.n) or not 1 <= p.n <= MAX_CHOICES:
+        return f"n must be an integer in [1, {MAX_CHOICES}], got {p.n!r}"
     if not isinstance(p.logprobs, bool):
         return f"logprobs must be a bool, got {p.logprobs!r}"
     if not _is_int(p.top_logprobs) or not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:

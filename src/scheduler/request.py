@@ -71,6 +71,20 @@ def _problem(r: Request) -> str | None:  # noqa: C901 - a flat list of checks re
     return None
 
 
+def sibling_requests(request: Request) -> list[Request]:
+    """The requests of `request`'s `n` choices, one choice each. A seeded request gives choice i
+    the seed `seed + i`: the choices differ, and the whole answer still repeats."""
+    params = request.params
+    if params.n == 1:
+        return [request]
+    out = []
+    for i in range(params.n):
+        seed = None if params.seed is None else (params.seed + i) % 2**64
+        choice = msgspec.structs.replace(params, n=1, seed=seed)
+        out.append(msgspec.structs.replace(request, params=choice))
+    return out
+
+
 def make_request(
     prompt: object, params: object, priority: object, tenant: object, timeout: object,
     session: object,

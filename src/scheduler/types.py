@@ -43,6 +43,8 @@ class Chunk(msgspec.Struct, frozen=True):
     """Prompt tokens whose KV came from prefix blocks or a session instead of prefill."""
     logprobs: list[TokenLogprob] | None = None
     """With `SamplingParams(logprobs=True)`: one per token of `token_ids`, in order."""
+    index: int = 0
+    """Which choice this chunk belongs to, with `SamplingParams(n=...)`; each has its own final."""
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -60,6 +62,9 @@ class Completion(msgspec.Struct, frozen=True):
     """Prompt tokens whose KV came from prefix blocks or a session instead of prefill."""
     logprobs: list[TokenLogprob] | None = None
     """With `SamplingParams(logprobs=True)`: one per token of `token_ids`, in order."""
+    index: int = 0
+    choices: list[Completion] = []
+    """With `SamplingParams(n=...)` above 1: every choice, by index (this one is the first)."""
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):

@@ -120,6 +120,7 @@ class AdmissionCore:
         self._live[rid] = Live(
             item, msg, out, TextStream(self._codec, req.params.stop), prompt=msg.tokens,
             parts=None if msg.stream else [], logprobs=[] if req.params.logprobs else None,
+            index=msg.index,
         )
         self._policy.push(item, now)
         if deadline is not None:
@@ -215,7 +216,8 @@ class AdmissionCore:
                 self._aborts.append(rid)
             else:
                 if live.parts is None:
-                    deliver.append((live, Chunk(rid, text, tokens, logprobs=live.take_logprobs())))
+                    pending = live.take_logprobs()
+                    deliver.append((live, Chunk(rid, text, tokens, logprobs=pending, index=live.index)))
                 else:
                     live.parts.append(text)
                 touched.append(live)

@@ -78,6 +78,8 @@ class Live:
     """Prompt tokens its first admission found cached (prefix blocks or a session)."""
     parts: list[str] | None = None
     """Text so far of a request that is not streamed (it gets one chunk); None when streamed."""
+    index: int = 0
+    """Which choice of its request this is (its chunks carry it)."""
     logprobs: list[TokenLogprob] | None = None
     """Log-probabilities not yet delivered (None: not asked for): those of the tokens since the
     last chunk when streamed, all of them when not."""
@@ -116,7 +118,7 @@ class Live:
         return Chunk(
             self.rid, text, tokens, reason, len(self.submit.tokens), self.completion_tokens,
             Timings(queue_s=queue_s, ttft_s=ttft_s, e2e_s=now - t0), error, self.cached_tokens,
-            self.take_logprobs(),
+            self.take_logprobs(), self.index,
         )
 
 

@@ -25,6 +25,8 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     stream: bool = True
     """False: only the final chunk is delivered, carrying the whole text and every token (all
     that `complete` needs: no wake-up of its caller per step)."""
+    index: int = 0
+    """Which of its request's choices this is (`SamplingParams.n`); its chunks say so."""
 
 
 class Cancel(msgspec.Struct, frozen=True, tag=True):

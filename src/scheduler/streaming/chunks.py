@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Protocol
 import anyio
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from scheduler.types import Chunk
 
 
@@ -69,6 +71,8 @@ class ChunkReceiver:
     """The caller's end (the subset of MemoryObjectReceiveStream it uses)."""
 
     __slots__ = ("_s",)
+    extra_rids: tuple[int, ...] = ()
+    """Other requests whose chunks come here too (none: one request, one channel)."""
 
     def __init__(self, state: _State) -> None:
         self._s = state
@@ -103,3 +107,63 @@ class ChunkReceiver:
 def chunk_channel() -> tuple[ChunkSender, ChunkReceiver]:
     state = _State()
     return ChunkSender(state), ChunkReceiver(state)
+
+
+class SharedSender:
+    """One channel for the n choices of one request: each choice's admission sends through its
+    own `part`, and the channel closes when every part has closed (each part closes once)."""
+
+    def __init__(self, sender: ChunkSender, parts: int) -> None:
+        self._sender = sender
+        self._open = parts
+
+    def part(self) -> ChunkOut:
+        return _Part(self)
+
+    def _closed_one(self) -> None:
+        self._open -= 1
+        if self._open == 0:
+            self._sender.close()
+
+
+class _Part:
+    __slots__ = ("_closed", "_shared")
+
+    def __init__(self, shared: SharedSender) -> None:
+        self._shared = shared
+        self._closed = False
+
+    def send_nowait(self, chunk: Chunk) -> None:
+        self._shared._sender.send_nowait(chunk)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._shared._closed_one()
+
+
+class SiblingReceiver:
+    """The caller's end of a shared channel. Choice 0 is submitted first; the first chunk to
+    arrive (its prompt is prefilled and its blocks stored) submits the other choices, which then
+    find the prompt in the prefix cache."""
+
+    def __init__(self, recv: ChunkReceiver, submit_rest: Callable[[], Awaitable[list[int]]]) -> None:
+        self._recv = recv
+        self._rest: Callable[[], Awaitable[list[int]]] | None = submit_rest
+        self.extra_rids: list[int] = []
+        """The other choices' request ids, once submitted (for cancelling them all)."""
+
+    async def receive(self) -> Chunk:
+        chunk = await self._recv.receive()
+        if self._rest is not None:
+            rest, self._rest = self._rest, None
+            self.extra_rids = await rest()
+        return chunk
+
+    def receive_nowait(self) -> Chunk:
+        if self._rest is not None:
+            raise anyio.WouldBlock  # the next `receive` submits the rest first
+        return self._recv.receive_nowait()
+
+    def close(self) -> None:
+        self._recv.close()

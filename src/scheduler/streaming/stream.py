@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from scheduler.errors import InvalidRequest, SchedulerClosed
-from scheduler.streaming.chunks import ChunkReceiver
+from scheduler.streaming.chunks import ChunkReceiver, SiblingReceiver
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -34,11 +34,13 @@ async def prompt_tokens(prompt: str | list[int], encode: Callable[[str], list[in
     return tokens
 
 
-SubmitFn = Callable[["Request"], Awaitable[tuple[int, ChunkReceiver]]]
+Receiver = ChunkReceiver | SiblingReceiver
+SubmitFn = Callable[["Request"], Awaitable[tuple[int, Receiver]]]
 
 
 class RequestStream:
-    """An async iterator of one request's chunks; the last one has a `finish_reason`."""
+    """An async iterator of one request's chunks; the last one has a `finish_reason`. With
+    `n` choices, their chunks interleave (`Chunk.index`) and each choice has its final chunk."""
 
     def __init__(
         self,
@@ -50,8 +52,9 @@ class RequestStream:
         self._cancel = cancel
         self.request = request
         self._rid: int | None = None
-        self._recv: ChunkReceiver | None = None
+        self._recv: Receiver | None = None
         self._done = False
+        self._finals_left = request.params.n
 
     @property
     def request_id(self) -> int | None:
@@ -79,9 +82,15 @@ class RequestStream:
             self._abandon()
             raise
         if chunk.finish_reason is not None:
-            self._done = True
-            self._recv.close()
+            self._final()
         return chunk
+
+    def _final(self) -> None:
+        self._finals_left -= 1
+        if self._finals_left == 0:
+            self._done = True
+            assert self._recv is not None
+            self._recv.close()
 
     def ready(self) -> list[Chunk]:
         """The chunks already delivered, without waiting: none before the first `__anext__`, and
@@ -96,8 +105,7 @@ class RequestStream:
                 break  # EndOfStream: the next __anext__ says so
             out.append(chunk)
             if chunk.finish_reason is not None:
-                self._done = True
-                recv.close()
+                self._final()
         return out
 
     def _abandon(self) -> None:
@@ -108,6 +116,8 @@ class RequestStream:
             self._recv.close()
         if self._rid is not None:
             self._cancel(self._rid)
+            for rid in self._recv.extra_rids if self._recv is not None else ():
+                self._cancel(rid)
 
     async def aclose(self) -> None:
         """Cancel the request if it has not ended. Safe to call more than once."""

@@ -31,6 +31,7 @@ from scheduler.serving.http.errors import shutting_down as closing_error
 from scheduler.serving.http.logprobs import TokenTexts
 from scheduler.serving.http.prompts import Tokenizing, chat_ids
 from scheduler.serving.http.sse import EventStream
+from scheduler.streaming.gather import Gather
 from scheduler.types import Chunk
 
 if TYPE_CHECKING:
@@ -64,10 +65,11 @@ class RemoteStream:
     """A replica's `generate` stream as the `RequestStream` that `EventStream` reads. A replica
     that dies mid-stream ends it with an "error" chunk naming the replica: no hang."""
 
-    def __init__(self, gen: DeploymentResponseGenerator, replica: str) -> None:
+    def __init__(self, gen: DeploymentResponseGenerator, replica: str, choices: int) -> None:
         self._gen = gen
         self.replica = replica
         self._ended = False
+        self._finals_left = choices
 
     async def __aenter__(self) -> RemoteStream:
         return self
@@ -105,7 +107,8 @@ class RemoteStream:
             raise errors.by_name(item[1], item[2])
         chunk: Chunk = item[1]
         if chunk.finish_reason is not None:
-            self._ended = True
+            self._finals_left -= 1
+            self._ended = self._finals_left == 0
         return chunk
 
 
@@ -227,7 +230,7 @@ class Frontend:
         assert self._prompts is not None  # __call__ waited for _start
         ids = await self._tokens.encode(self._prompts, prompt) if isinstance(prompt, str) else list(prompt)
         job = self._job(rq.request(req, ids, req.max_tokens, DEFAULT_MAX_TOKENS))
-        render = rs.CompletionEvents(self._head(rid), _usage(req))
+        render = rs.CompletionEvents(self._head(rid), _usage(req), req.n or 1)
         return await self._run(rid, job, bool(req.stream), render, rs.completion)
 
     async def _chat(self, request: Request, rid: str) -> Response:
@@ -239,7 +242,7 @@ class Frontend:
         room = self._context - len(ids)
         default = min(DEFAULT_CHAT_MAX_TOKENS, room) if room > 0 else DEFAULT_CHAT_MAX_TOKENS
         job = self._job(rq.request(req, ids, max_tokens, default))
-        render = rs.ChatEvents(self._head(rid), _usage(req))
+        render = rs.ChatEvents(self._head(rid), _usage(req), req.n or 1)
         return await self._run(rid, job, bool(req.stream), render, rs.chat_completion)
 
     def _job(self, request: GenRequest) -> Job:
@@ -247,7 +250,7 @@ class Frontend:
         return Job(request, tuple(prompt_keys(request.prompt, self._block_tokens)))
 
     async def _run(self, rid: str, job: Job, streaming: bool, render: Callable[[Chunk], list[bytes]],
-                   whole: Callable[[rs.Head, rs.Collected], msgspec.Struct]) -> Response:
+                   whole: Callable[[rs.Head, Gather], msgspec.Struct]) -> Response:
         for attempt in range(OPENING_TRIES):
             # A replica that died before its first word produced nothing: try the survivors.
             gen = self._backend.options(stream=True).generate.remote(job)
@@ -260,7 +263,8 @@ class Frontend:
                 if attempt == OPENING_TRIES - 1:
                     raise replica_failed("unknown", type(exc).__name__) from None
         replica = str(opening[1])
-        stream = RemoteStream(gen, replica)
+        n = job.request.params.n
+        stream = RemoteStream(gen, replica, n)
         headers = {"x-request-id": rid, REPLICA_HEADER: replica}
         try:
             first = await stream.__anext__()  # before the 200: a full queue still gets its 429
@@ -268,24 +272,23 @@ class Frontend:
             await stream.aclose()
             raise
         if streaming:
-            response = ClusterEventStream(cast("RequestStream", stream), first, render, rid)
+            response = ClusterEventStream(cast("RequestStream", stream), first, render, rid, n)
             response.headers[REPLICA_HEADER] = replica
             return response
-        collected = rs.Collected()
-        collected.add(first)
+        gathered = Gather()
+        gathered.add(first)
         async with stream:
-            while first.finish_reason is None:
-                first = await stream.__anext__()
-                collected.add(first)
-        last = collected.final
-        if last.finish_reason == "error":
-            if last.request_id == REPLICA_FAILED:
-                raise replica_failed(replica)
-            log.error("request_failed", request_id=rid, error=last.error)
-            raise internal(rid)
-        if last.finish_reason == "cancelled":
-            raise closing_error()
-        return json_response(whole(self._head(rid), collected), headers=headers)
+            async for chunk in stream:  # to every choice's final chunk
+                gathered.add(chunk)
+        for last in gathered.finals():
+            if last.finish_reason == "error":
+                if last.request_id == REPLICA_FAILED:
+                    raise replica_failed(replica)
+                log.error("request_failed", request_id=rid, error=last.error)
+                raise internal(rid)
+            if last.finish_reason == "cancelled":
+                raise closing_error()
+        return json_response(whole(self._head(rid), gathered), headers=headers)
 
     def _head(self, rid: str) -> rs.Head:
         if self._texts is None:

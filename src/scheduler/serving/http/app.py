@@ -36,6 +36,7 @@ from scheduler.serving.http.logprobs import TokenTexts
 from scheduler.serving.http.prompts import SchedulerPrompts, Tokenizing, chat_ids
 from scheduler.serving.http.shutdown import Gate
 from scheduler.serving.http.sse import ClientGone, EventStream, unless_disconnected
+from scheduler.streaming.gather import Gather
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
@@ -182,7 +183,8 @@ class _OpenAI:
             job = msgspec.structs.replace(job, prompt=ids)
         stream = sched.submit(job)
         if req.stream:
-            return await _event_stream(request, rid, stream, rs.CompletionEvents(head, _usage(req)))
+            render = rs.CompletionEvents(head, _usage(req), req.n or 1)
+            return await _event_stream(request, rid, stream, render, req.n or 1)
         return json_response(rs.completion(head, await _whole(request, rid, stream)),
                              headers={"x-request-id": rid})
 
@@ -196,7 +198,8 @@ class _OpenAI:
         default = min(DEFAULT_CHAT_MAX_TOKENS, room) if room > 0 else DEFAULT_CHAT_MAX_TOKENS
         stream = sched.submit(rq.request(req, ids, max_tokens, default, sched.model.info.vocab_size))
         if req.stream:
-            return await _event_stream(request, rid, stream, rs.ChatEvents(head, _usage(req)))
+            render = rs.ChatEvents(head, _usage(req), req.n or 1)
+            return await _event_stream(request, rid, stream, render, req.n or 1)
         return json_response(rs.chat_completion(head, await _whole(request, rid, stream)),
                              headers={"x-request-id": rid})
 
@@ -235,7 +238,8 @@ def _where(exc: BaseException, depth: int = 8) -> str:
 
 
 async def _event_stream(
-    request: Request, rid: str, stream: RequestStream, render: Callable[[Chunk], list[bytes]]
+    request: Request, rid: str, stream: RequestStream, render: Callable[[Chunk], list[bytes]],
+    choices: int,
 ) -> Response:
     # The first chunk comes before the 200: a full queue or a bad prompt still gets its status.
     try:
@@ -243,24 +247,22 @@ async def _event_stream(
     except BaseException:
         await stream.aclose()
         raise
-    return EventStream(stream, first, render, rid)
+    return EventStream(stream, first, render, rid, choices)
 
 
-async def _whole(request: Request, rid: str, stream: RequestStream) -> rs.Collected:
-    async def collect() -> rs.Collected:
-        out = rs.Collected()
-        async for chunk in stream:
+async def _whole(request: Request, rid: str, stream: RequestStream) -> Gather:
+    async def collect() -> Gather:
+        out = Gather()
+        async for chunk in stream:  # to every choice's final chunk
             out.add(chunk)
-            if chunk.finish_reason is not None:
-                return out
-        raise AssertionError("a request stream ends with a finish_reason")
+        return out
 
     async with stream:
-        collected = await unless_disconnected(request.receive, collect)
-    last = collected.final
-    if last.finish_reason == "cancelled":
-        raise shutting_down()
-    if last.finish_reason == "error":
-        log.error("request_failed", request_id=rid, error=last.error)
-        raise internal(rid)
-    return collected
+        gathered = await unless_disconnected(request.receive, collect)
+    for last in gathered.finals():
+        if last.finish_reason == "cancelled":
+            raise shutting_down()
+        if last.finish_reason == "error":
+            log.error("request_failed", request_id=rid, error=last.error)
+            raise internal(rid)
+    return gathered

@@ -113,8 +113,6 @@ def _explain(message: str) -> ApiError:
 
 def check_common(req: _Request) -> None:
     """Reject what this server cannot do rather than silently doing something else."""
-    if req.n not in (None, 1):
-        raise invalid(f"n must be 1 (one choice per request), got {req.n}", "n")
     if req.user is not None and len(req.user) > MAX_USER_CHARS:
         raise invalid(f"user must have at most {MAX_USER_CHARS} characters", "user")
     if req.session is not None and not 0 < len(req.session) <= MAX_USER_CHARS:
@@ -231,6 +229,7 @@ def sampling(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         penalty_context=req.repetition_context_size or 20,
         logit_bias=logit_bias(req.logit_bias),
+        n=1 if req.n is None else req.n,
     )
 
 

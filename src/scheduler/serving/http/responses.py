@@ -14,6 +14,7 @@ from scheduler.serving.http.logprobs import (
 )
 
 if TYPE_CHECKING:
+    from scheduler.streaming.gather import Gather
     from scheduler.types import Chunk, TokenLogprob
 
 _encode = msgspec.json.Encoder().encode
@@ -118,92 +119,92 @@ class Head(msgspec.Struct, frozen=True):
     texts: Any = None
 
 
-class Collected:
-    """A request's chunks gathered into one answer: the text, the log-probabilities (when
-    asked for) and the last chunk, which has the finish reason and the counts."""
-
-    def __init__(self) -> None:
-        self._text: list[str] = []
-        self.logprobs: list[TokenLogprob] | None = None
-        self.last: Chunk | None = None
-
-    def add(self, chunk: Chunk) -> None:
-        self._text.append(chunk.text)
-        if chunk.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + chunk.logprobs
-        self.last = chunk
-
-    @property
-    def text(self) -> str:
-        return "".join(self._text)
-
-    @property
-    def final(self) -> Chunk:
-        assert self.last is not None and self.last.finish_reason is not None
-        return self.last
+def total_usage(finals: list[Chunk]) -> Usage:
+    """Usage of all of a request's choices: the prompt once, every choice's output."""
+    first = finals[0]
+    done = sum(c.completion_tokens for c in finals)
+    return Usage(first.prompt_tokens, done, first.prompt_tokens + done,
+                 PromptTokensDetails(first.cached_tokens))
 
 
-def completion(head: Head, c: Collected) -> TextCompletion:
-    lps = None if c.logprobs is None else completion_logprobs(c.logprobs, head.texts, 0)
-    return TextCompletion(head.id, "text_completion", head.created, head.model,
-                          [CompletionChoice(0, c.text, c.final.finish_reason, lps)], usage(c.final))
+def completion(head: Head, g: Gather) -> TextCompletion:
+    choices = []
+    for last in g.finals():
+        lps = g.logprobs(last.index)
+        rendered = None if lps is None else completion_logprobs(lps, head.texts, 0)
+        choices.append(CompletionChoice(last.index, g.text(last.index), last.finish_reason, rendered))
+    return TextCompletion(head.id, "text_completion", head.created, head.model, choices,
+                          total_usage(g.finals()))
 
 
-def chat_completion(head: Head, c: Collected) -> ChatCompletion:
-    lps = None if c.logprobs is None else chat_logprobs(c.logprobs, head.texts)
-    choice = ChatChoice(0, ChatMessage("assistant", c.text), c.final.finish_reason, lps)
-    return ChatCompletion(head.id, "chat.completion", head.created, head.model, [choice],
-                          usage(c.final))
+def chat_completion(head: Head, g: Gather) -> ChatCompletion:
+    choices = []
+    for last in g.finals():
+        lps = g.logprobs(last.index)
+        rendered = None if lps is None else chat_logprobs(lps, head.texts)
+        message = ChatMessage("assistant", g.text(last.index))
+        choices.append(ChatChoice(last.index, message, last.finish_reason, rendered))
+    return ChatCompletion(head.id, "chat.completion", head.created, head.model, choices,
+                          total_usage(g.finals()))
 
 
 class CompletionEvents:
     """Renders a completion's chunks as stream events (JSON bytes, one per SSE `data:`)."""
 
-    def __init__(self, head: Head, include_usage: bool) -> None:
+    def __init__(self, head: Head, include_usage: bool, n: int = 1) -> None:
         self._head = head
         self._include_usage = include_usage
-        self._lps = _Pending()
-        self._offset = 0
+        self._lps = [_Pending() for _ in range(n)]
+        self._offset = [0] * n
+        self._finals: list[Chunk] = []
+        self._n = n
 
     def __call__(self, chunk: Chunk) -> list[bytes]:
-        h = self._head
-        lps = self._lps.add(chunk)
+        h, i = self._head, chunk.index
+        lps = self._lps[i].add(chunk)
         if not chunk.text and chunk.finish_reason is None:
             return []  # the detokenizer is holding back a partial character
-        rendered = None if lps is None else completion_logprobs(lps, h.texts, self._offset)
-        self._offset += len(chunk.text)
-        choice = CompletionChoice(0, chunk.text, chunk.finish_reason, rendered)
+        rendered = None if lps is None else completion_logprobs(lps, h.texts, self._offset[i])
+        self._offset[i] += len(chunk.text)
+        choice = CompletionChoice(i, chunk.text, chunk.finish_reason, rendered)
         out = [_encode(TextCompletion(h.id, "text_completion", h.created, h.model, [choice]))]
-        if chunk.finish_reason is not None and self._include_usage:
-            out.append(_encode(TextCompletion(h.id, "text_completion", h.created, h.model, [],
-                                              usage(chunk))))
+        if chunk.finish_reason is not None:
+            self._finals.append(chunk)
+            if len(self._finals) == self._n and self._include_usage:
+                out.append(_encode(TextCompletion(h.id, "text_completion", h.created, h.model, [],
+                                                  total_usage(self._finals))))
         return out
 
 
 class ChatEvents:
-    """Renders a chat completion's chunks as `chat.completion.chunk` events; the first carries the
-    assistant role, the last the finish reason (and usage, in a chunk of its own, when asked)."""
+    """Renders a chat completion's chunks as `chat.completion.chunk` events; each choice's first
+    carries the assistant role, its last the finish reason; usage, when asked, comes in a chunk
+    of its own after every choice has ended."""
 
-    def __init__(self, head: Head, include_usage: bool) -> None:
+    def __init__(self, head: Head, include_usage: bool, n: int = 1) -> None:
         self._head = head
         self._include_usage = include_usage
-        self._first = True
-        self._lps = _Pending()
+        self._first = [True] * n
+        self._lps = [_Pending() for _ in range(n)]
+        self._finals: list[Chunk] = []
+        self._n = n
 
     def __call__(self, chunk: Chunk) -> list[bytes]:
-        h = self._head
-        lps = self._lps.add(chunk)
-        if not chunk.text and chunk.finish_reason is None and not self._first:
+        h, i = self._head, chunk.index
+        lps = self._lps[i].add(chunk)
+        first = self._first[i]
+        if not chunk.text and chunk.finish_reason is None and not first:
             return []
-        delta = Delta("assistant" if self._first else None,
-                      chunk.text if chunk.text or self._first else None)
-        self._first = False
+        delta = Delta("assistant" if first else None, chunk.text if chunk.text or first else None)
+        self._first[i] = False
         rendered = None if lps is None else chat_logprobs(lps, h.texts)
-        choice = ChatChunkChoice(0, delta, chunk.finish_reason, rendered)
+        choice = ChatChunkChoice(i, delta, chunk.finish_reason, rendered)
         out = [_encode(ChatChunk(h.id, "chat.completion.chunk", h.created, h.model, [choice]))]
-        if chunk.finish_reason is not None and self._include_usage:
-            out.append(_encode(ChatChunk(h.id, "chat.completion.chunk", h.created, h.model, [],
-                                         usage(chunk))))
+        if chunk.finish_reason is not None:
+            self._finals.append(chunk)
+            if len(self._finals) == self._n and self._include_usage:
+                out.append(_encode(ChatChunk(h.id, "chat.completion.chunk", h.created, h.model, [],
+                                             total_usage(self._finals))))
         return out
 
 

@@ -73,6 +73,7 @@ class EventStream(Response):
         first: Chunk,
         render: Callable[[Chunk], list[bytes]],
         request_id: str,
+        choices: int = 1,
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -82,6 +83,7 @@ class EventStream(Response):
         self._first = first
         self._render = render
         self._request_id = request_id
+        self._choices = choices
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with self._stream:  # leaving it cancels the request unless it has ended
@@ -109,17 +111,19 @@ class EventStream(Response):
     async def _pump(self, send: Send) -> list[bytes]:
         """Send the stream's events up to its end; return the last ones (with `[DONE]`), for the
         caller to send with the end of the body in one write."""
-        chunk = self._first
+        chunk, finals = self._first, 0
         while True:
-            # What arrived while the last write went out goes as one event: the last token and
-            # the ending share a write, and a loop that fell behind (many streams, few cores)
-            # catches up in fewer writes.
-            chunk = coalesce(chunk, self._stream.ready())
-            if chunk.finish_reason in ("cancelled", "error"):
-                text = self._render(msgspec.structs.replace(chunk, finish_reason=None)) if chunk.text else []
-                return [*text, self._failure(chunk), b"[DONE]"]
-            events = self._render(chunk)
-            if chunk.finish_reason is not None:
+            # What arrived while the last write went out goes as one event per choice: the last
+            # token and the ending share a write, and a loop that fell behind (many streams, few
+            # cores) catches up in fewer writes.
+            events: list[bytes] = []
+            for c in coalesce([chunk, *self._stream.ready()]):
+                if c.finish_reason in ("cancelled", "error"):
+                    text = self._render(msgspec.structs.replace(c, finish_reason=None)) if c.text else []
+                    return [*events, *text, self._failure(c), b"[DONE]"]
+                events += self._render(c)
+                finals += c.finish_reason is not None
+            if finals == self._choices:
                 return [*events, b"[DONE]"]
             await _send(send, events)
             try:
@@ -134,15 +138,20 @@ class EventStream(Response):
         return internal(self._request_id).event()
 
 
-def coalesce(chunk: Chunk, more: list[Chunk]) -> Chunk:
-    """`chunk` and the chunks after it as one: their text and tokens, the last one's ending."""
-    if not more:
-        return chunk
-    last = more[-1]
-    return msgspec.structs.replace(
-        last, text=chunk.text + "".join(c.text for c in more),
-        token_ids=[t for c in (chunk, *more) for t in c.token_ids],
-    )
+def coalesce(chunks: list[Chunk]) -> list[Chunk]:
+    """Each run of one choice's chunks as one: their text, tokens and log-probabilities, the
+    last one's ending (a final chunk ends its run)."""
+    out: list[Chunk] = []
+    for c in chunks:
+        prev = out[-1] if out else None
+        if prev is None or prev.index != c.index or prev.finish_reason is not None:
+            out.append(c)
+            continue
+        lps = None if prev.logprobs is None and c.logprobs is None else [
+            *(prev.logprobs or ()), *(c.logprobs or ())]
+        out[-1] = msgspec.structs.replace(c, text=prev.text + c.text,
+                                          token_ids=prev.token_ids + c.token_ids, logprobs=lps)
+    return out
 
 
 def _frames(events: list[bytes]) -> bytes:
