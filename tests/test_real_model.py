@@ -3,6 +3,7 @@ wheel on the package index) through the scheduler, over HTTP and against mlx-lm 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -184,3 +185,29 @@ async def test_seeded_sampling_is_reproducible() -> None:
             again = await s.complete(prompt, params(1))
     assert runs["a"].token_ids == runs["b"].token_ids == again.token_ids
     assert len({tuple(runs[k].token_ids) for k in "acd"}) > 1
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_anthropic_messages_and_openai_logprobs_on_the_real_model() -> None:
+    import anthropic
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    with anyio.fail_after(120):
+        async with Scheduler(real_config()) as s, uvicorn_serving(create_app(scheduler=s)) as url:
+            async with anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0, timeout=60) as claude:
+                message = await claude.messages.create(
+                    model=DEFAULT_MODEL, max_tokens=24, messages=question,  # type: ignore[arg-type]
+                    extra_body={"temperature": 0})
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            async with client:
+                answer = await client.chat.completions.create(
+                    model=DEFAULT_MODEL, messages=question, max_tokens=24, temperature=0,  # type: ignore[arg-type]
+                    logprobs=True, top_logprobs=5)
+    assert "Paris" in message.content[0].text and message.stop_reason == "end_turn"  # type: ignore[union-attr]
+    content = answer.choices[0].logprobs.content if answer.choices[0].logprobs else None
+    assert content and "".join(c.token for c in content) == answer.choices[0].message.content
+    paris = next(c for c in content if "Paris" in c.token)
+    assert math.exp(paris.logprob) > 0.5  # the model is sure of it
+    for c in content:  # greedy: the chosen token is the likeliest; the five together are a distribution's top
+        assert c.top_logprobs[0].logprob == c.logprob
+        assert sum(math.exp(t.logprob) for t in c.top_logprobs) <= 1.0 + 1e-4

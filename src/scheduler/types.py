@@ -45,6 +45,9 @@ class Chunk(msgspec.Struct, frozen=True):
     """With `SamplingParams(logprobs=True)`: one per token of `token_ids`, in order."""
     index: int = 0
     """Which choice this chunk belongs to, with `SamplingParams(n=...)`; each has its own final."""
+    stop: str | None = None
+    """On a final chunk that ended with "stop": the stop string that ended it (None: EOS or a
+    stop token)."""
 
 
 class Completion(msgspec.Struct, frozen=True):

@@ -118,7 +118,7 @@ class Live:
         return Chunk(
             self.rid, text, tokens, reason, len(self.submit.tokens), self.completion_tokens,
             Timings(queue_s=queue_s, ttft_s=ttft_s, e2e_s=now - t0), error, self.cached_tokens,
-            self.take_logprobs(), self.index,
+            self.take_logprobs(), self.index, self.text.matched if reason == "stop" else None,
         )
 
 

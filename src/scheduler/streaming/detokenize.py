@@ -38,14 +38,17 @@ class StopText:
         self._stops = tuple(stops)
         self._longest = max((len(s) for s in stops), default=0)
         self._held = ""
+        self.matched: str | None = None
+        """The stop string that ended the text (the earliest in it), once one has."""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string completed)."""
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
         if hits:
             self._held = ""
-            return buf[: min(hits)], True
+            at, self.matched = min(hits)
+            return buf[:at], True
         keep = 0
         for k in range(min(len(buf), self._longest - 1), 0, -1):
             tail = buf[-k:]
@@ -75,6 +78,11 @@ class TextStream:
         if self._stop is None:
             return text, False
         return self._stop.feed(text)
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return None if self._stop is None else self._stop.matched
 
     def finish(self) -> str:
         """Whatever text is still held back, at the natural end of the sequence."""

@@ -117,7 +117,7 @@ class ClusterEventStream(EventStream):
 
     def _failure(self, chunk: Chunk) -> bytes:
         if chunk.request_id == REPLICA_FAILED:
-            return replica_failed(self.headers.get(REPLICA_HEADER, "unknown")).event()
+            return self._dialect.error(replica_failed(self.headers.get(REPLICA_HEADER, "unknown")))
         return super()._failure(chunk)
 
 

@@ -16,7 +16,7 @@ from starlette.responses import Response
 from scheduler.serving.http.errors import ApiError
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -95,9 +95,14 @@ class AccessMiddleware:
     """`Access` in front of an ASGI app: preflights answered, 401s before the app sees the
     request, CORS headers added to what it answers."""
 
-    def __init__(self, app: ASGIApp, access: Access) -> None:
+    def __init__(
+        self, app: ASGIApp, access: Access,
+        shapes: Mapping[str, Callable[[ApiError, dict[str, str]], Response]] | None = None,
+    ) -> None:
         self.app = app
         self.access = access
+        self.shapes = dict(shapes or {})
+        """Path prefixes whose errors take another API's shape (Anthropic's under /v1/messages)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -108,8 +113,11 @@ class AccessMiddleware:
         answer = access.preflight(method, headers)
         extra = access.cors(headers.get("origin"))
         if answer is None:
-            refusal = access.refusal(method, scope["path"], headers)
-            answer = refusal.response(extra) if refusal is not None else None
+            path = scope["path"]
+            refusal = access.refusal(method, path, headers)
+            if refusal is not None:
+                shape = next((s for prefix, s in self.shapes.items() if path.startswith(prefix)), None)
+                answer = shape(refusal, extra) if shape is not None else refusal.response(extra)
         if answer is not None:
             await answer(scope, receive, send)
             return

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible ASGI app: `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-`/tokenize`, `/detokenize`, `/health` and `/metrics` over one engine, behind its API keys."""
+"""The ASGI app: OpenAI's `/v1/completions`, `/v1/chat/completions` and `/v1/models`, Anthropic's
+`/v1/messages`, `/tokenize`, `/detokenize`, `/health` and `/metrics` over one engine, behind its
+API keys."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from starlette.routing import Route
 
 from scheduler.api import Scheduler
 from scheduler.errors import SchedulerError
+from scheduler.serving.http import anthropic
 from scheduler.serving.http import requests as rq
 from scheduler.serving.http import responses as rs
 from scheduler.serving.http import tokens as tk
@@ -35,8 +37,7 @@ from scheduler.serving.http.errors import (
 from scheduler.serving.http.logprobs import TokenTexts
 from scheduler.serving.http.prompts import SchedulerPrompts, Tokenizing, chat_ids
 from scheduler.serving.http.shutdown import Gate
-from scheduler.serving.http.sse import ClientGone, EventStream, unless_disconnected
-from scheduler.streaming.gather import Gather
+from scheduler.serving.http.sse import ClientGone, event_stream, whole
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
@@ -46,16 +47,20 @@ if TYPE_CHECKING:
 
     from scheduler.config import SchedulerConfig, ServerSection
     from scheduler.engine import EngineClient
-    from scheduler.streaming.stream import RequestStream
-    from scheduler.types import Chunk, SchedulerStats
+    from scheduler.types import SchedulerStats
 
     Handler = Callable[[Request, str], Awaitable[Response]]
+    Shape = Callable[[ApiError, dict[str, str]], Response]
 
 log = structlog.get_logger("scheduler.http")
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI
 DEFAULT_CHAT_MAX_TOKENS = 512  # /v1/chat/completions, as mlx_lm.server; lowered to fit the context
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _openai(error: ApiError, headers: dict[str, str]) -> Response:
+    return error.response(headers)
 
 
 class Health(msgspec.Struct, frozen=True):
@@ -82,6 +87,11 @@ def create_app(
         Route("/v1/completions", api.endpoint(api.completions, "cmpl", "prompt"), methods=["POST"]),
         Route("/v1/chat/completions", api.endpoint(api.chat, "chatcmpl", "messages"), methods=["POST"]),
         Route("/v1/models", api.endpoint(api.models, "models"), methods=["GET"]),
+        Route("/v1/messages", api.endpoint(api.messages, "msg", "messages", anthropic.error_response),
+              methods=["POST"]),
+        Route("/v1/messages/count_tokens",
+              api.endpoint(api.count_tokens, "count", "messages", anthropic.error_response),
+              methods=["POST"]),
         Route("/tokenize", api.endpoint(api.tokenize, "tok", "prompt"), methods=["POST"]),
         Route("/detokenize", api.endpoint(api.detokenize, "detok", "tokens"), methods=["POST"]),
         Route("/health", api.endpoint(api.health, "health"), methods=["GET"]),
@@ -92,7 +102,8 @@ def create_app(
     if access.keys:
         log.info("api_keys_required", open_paths=sorted(access.open_paths))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
-                    middleware=[Middleware(AccessMiddleware, access=access)])
+                    middleware=[Middleware(AccessMiddleware, access=access,
+                                           shapes={"/v1/messages": anthropic.error_response})])
     app.state.gate = api.gate
     return app
 
@@ -145,10 +156,12 @@ class _OpenAI:
     def model_name(self) -> str:
         return self._model_name or self.sched.model.info.name
 
-    def endpoint(self, handler: Handler, kind: str, prompt_field: str = "prompt") -> Callable[
-        [Request], Awaitable[Response]
-    ]:
-        """Wrap `handler` so every failure becomes an OpenAI-shaped error with its request id."""
+    def endpoint(
+        self, handler: Handler, kind: str, prompt_field: str = "prompt", shape: Shape | None = None,
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """Wrap `handler` so every failure becomes an error in its API's shape (OpenAI's unless
+        `shape` says otherwise) with its request id."""
+        shaped = shape or _openai
 
         async def endpoint(request: Request) -> Response:
             rid = f"{kind}-{uuid.uuid4().hex}"
@@ -156,9 +169,9 @@ class _OpenAI:
             try:
                 return await handler(request, rid)
             except ApiError as exc:
-                return exc.response(headers)
+                return shaped(exc, headers)
             except SchedulerError as exc:
-                return from_scheduler(exc, rid, prompt_field=prompt_field).response(headers)
+                return shaped(from_scheduler(exc, rid, prompt_field=prompt_field), headers)
             except ClientGone:
                 log.debug("client_disconnected", request_id=rid)
                 return Response(status_code=499, headers=headers)  # nginx's code; only logs see it
@@ -167,7 +180,7 @@ class _OpenAI:
                 log.error("request_failed", request_id=rid, path=request.url.path,
                           body_bytes=request.headers.get("content-length"),
                           error=type(exc).__name__, where=_where(exc))
-                return internal(rid).response(headers)
+                return shaped(internal(rid), headers)
 
         return endpoint
 
@@ -184,8 +197,8 @@ class _OpenAI:
         stream = sched.submit(job)
         if req.stream:
             render = rs.CompletionEvents(head, _usage(req), req.n or 1)
-            return await _event_stream(request, rid, stream, render, req.n or 1)
-        return json_response(rs.completion(head, await _whole(request, rid, stream)),
+            return await event_stream(request, rid, stream, render, req.n or 1)
+        return json_response(rs.completion(head, await whole(request, rid, stream)),
                              headers={"x-request-id": rid})
 
     async def chat(self, request: Request, rid: str) -> Response:
@@ -199,14 +212,24 @@ class _OpenAI:
         stream = sched.submit(rq.request(req, ids, max_tokens, default, sched.model.info.vocab_size))
         if req.stream:
             render = rs.ChatEvents(head, _usage(req), req.n or 1)
-            return await _event_stream(request, rid, stream, render, req.n or 1)
-        return json_response(rs.chat_completion(head, await _whole(request, rid, stream)),
+            return await event_stream(request, rid, stream, render, req.n or 1)
+        return json_response(rs.chat_completion(head, await whole(request, rid, stream)),
                              headers={"x-request-id": rid})
 
     async def models(self, request: Request, rid: str) -> Response:
         info = self.sched.model.info
         card = rs.ModelCard(self.model_name, "model", self._created, "mlx-scheduler", info.context_length)
         return json_response(rs.ModelList("list", [card]))
+
+    async def messages(self, request: Request, rid: str) -> Response:
+        body = await read_body(request, self._limits.body_timeout_s)
+        sched = self.sched
+        return await anthropic.messages(request, rid, body, sched, SchedulerPrompts(sched), self.tokens,
+                                        self.model_name)
+
+    async def count_tokens(self, request: Request, rid: str) -> Response:
+        body = await read_body(request, self._limits.body_timeout_s)
+        return await anthropic.count_tokens(body, SchedulerPrompts(self.sched), self.tokens)
 
     async def tokenize(self, request: Request, rid: str) -> Response:
         body = await read_body(request, self._limits.body_timeout_s)
@@ -235,34 +258,3 @@ def _where(exc: BaseException, depth: int = 8) -> str:
     the frames' locals, either of which can hold the request's text."""
     frames = traceback.extract_tb(exc.__traceback__)[-depth:]
     return " <- ".join(f"{f.name} ({Path(f.filename).name}:{f.lineno})" for f in reversed(frames))
-
-
-async def _event_stream(
-    request: Request, rid: str, stream: RequestStream, render: Callable[[Chunk], list[bytes]],
-    choices: int,
-) -> Response:
-    # The first chunk comes before the 200: a full queue or a bad prompt still gets its status.
-    try:
-        first = await unless_disconnected(request.receive, stream.__anext__)
-    except BaseException:
-        await stream.aclose()
-        raise
-    return EventStream(stream, first, render, rid, choices)
-
-
-async def _whole(request: Request, rid: str, stream: RequestStream) -> Gather:
-    async def collect() -> Gather:
-        out = Gather()
-        async for chunk in stream:  # to every choice's final chunk
-            out.add(chunk)
-        return out
-
-    async with stream:
-        gathered = await unless_disconnected(request.receive, collect)
-    for last in gathered.finals():
-        if last.finish_reason == "cancelled":
-            raise shutting_down()
-        if last.finish_reason == "error":
-            log.error("request_failed", request_id=rid, error=last.error)
-            raise internal(rid)
-    return gathered

@@ -13,11 +13,13 @@ import structlog
 from starlette.responses import Response
 
 from scheduler.errors import SchedulerClosed
-from scheduler.serving.http.errors import internal, shutting_down
+from scheduler.serving.http.errors import ApiError, internal, shutting_down
+from scheduler.streaming.gather import Gather
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
+    from starlette.requests import Request
     from starlette.types import Receive, Scope, Send
 
     from scheduler.streaming.stream import RequestStream
@@ -25,6 +27,22 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = structlog.get_logger("scheduler.http")
+
+
+class Dialect:
+    """How one API frames its events: OpenAI's `data: ...` lines ended by `[DONE]`."""
+
+    def frames(self, events: list[bytes]) -> bytes:
+        return b"".join(b"data: " + e + b"\n\n" for e in events)
+
+    def done(self) -> list[bytes]:
+        return [b"[DONE]"]
+
+    def error(self, error: ApiError) -> bytes:
+        return error.event()
+
+
+OPENAI = Dialect()
 
 
 class ClientGone(Exception):
@@ -74,6 +92,7 @@ class EventStream(Response):
         render: Callable[[Chunk], list[bytes]],
         request_id: str,
         choices: int = 1,
+        dialect: Dialect = OPENAI,
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -84,6 +103,7 @@ class EventStream(Response):
         self._render = render
         self._request_id = request_id
         self._choices = choices
+        self._dialect = dialect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with self._stream:  # leaving it cancels the request unless it has ended
@@ -103,7 +123,8 @@ class EventStream(Response):
                                 "headers": self.raw_headers})
                     last = await self._pump(send)
                     ended = True
-                    await send({"type": "http.response.body", "body": _frames(last), "more_body": False})
+                    await send({"type": "http.response.body", "body": self._dialect.frames(last),
+                                "more_body": False})
                 except OSError:
                     pass  # the client went away; servers on ASGI spec 2.4 say so by raising
                 tg.cancel_scope.cancel()
@@ -120,22 +141,24 @@ class EventStream(Response):
             for c in coalesce([chunk, *self._stream.ready()]):
                 if c.finish_reason in ("cancelled", "error"):
                     text = self._render(msgspec.structs.replace(c, finish_reason=None)) if c.text else []
-                    return [*events, *text, self._failure(c), b"[DONE]"]
+                    return [*events, *text, self._failure(c), *self._dialect.done()]
                 events += self._render(c)
                 finals += c.finish_reason is not None
             if finals == self._choices:
-                return [*events, b"[DONE]"]
-            await _send(send, events)
+                return [*events, *self._dialect.done()]
+            if events:
+                await send({"type": "http.response.body", "body": self._dialect.frames(events),
+                            "more_body": True})
             try:
                 chunk = await self._stream.__anext__()
             except SchedulerClosed:
-                return [shutting_down().event(), b"[DONE]"]
+                return [self._dialect.error(shutting_down()), *self._dialect.done()]
 
     def _failure(self, chunk: Chunk) -> bytes:
         if chunk.finish_reason == "cancelled":  # only the scheduler closing cancels a live stream
-            return shutting_down().event()
+            return self._dialect.error(shutting_down())
         log.error("request_failed", request_id=self._request_id, error=chunk.error)
-        return internal(self._request_id).event()
+        return self._dialect.error(internal(self._request_id))
 
 
 def coalesce(chunks: list[Chunk]) -> list[Chunk]:
@@ -154,10 +177,34 @@ def coalesce(chunks: list[Chunk]) -> list[Chunk]:
     return out
 
 
-def _frames(events: list[bytes]) -> bytes:
-    return b"".join(b"data: " + e + b"\n\n" for e in events)
+async def event_stream(
+    request: Request, rid: str, stream: RequestStream, render: Callable[[Chunk], list[bytes]],
+    choices: int = 1, dialect: Dialect | None = None,
+) -> Response:
+    """The streamed answer: its first chunk awaited before the 200, so a refusal keeps its status."""
+    # The first chunk comes before the 200: a full queue or a bad prompt still gets its status.
+    try:
+        first = await unless_disconnected(request.receive, stream.__anext__)
+    except BaseException:
+        await stream.aclose()
+        raise
+    return EventStream(stream, first, render, rid, choices, dialect or OPENAI)
 
 
-async def _send(send: Send, events: list[bytes]) -> None:
-    if events:
-        await send({"type": "http.response.body", "body": _frames(events), "more_body": True})
+async def whole(request: Request, rid: str, stream: RequestStream) -> Gather:
+    """The whole answer, every choice to its end; a scheduler closing or failing raises."""
+    async def collect() -> Gather:
+        out = Gather()
+        async for chunk in stream:  # to every choice's final chunk
+            out.add(chunk)
+        return out
+
+    async with stream:
+        gathered = await unless_disconnected(request.receive, collect)
+    for last in gathered.finals():
+        if last.finish_reason == "cancelled":
+            raise shutting_down()
+        if last.finish_reason == "error":
+            log.error("request_failed", request_id=rid, error=last.error)
+            raise internal(rid)
+    return gathered
