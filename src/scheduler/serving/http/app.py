@@ -1,6 +1,6 @@
-"""The ASGI app: OpenAI's `/v1/completions`, `/v1/chat/completions` and `/v1/models`, Anthropic's
-`/v1/messages`, `/tokenize`, `/detokenize`, `/health` and `/metrics` over one engine, behind its
-API keys."""
+"""The ASGI app: OpenAI's `/v1/completions`, `/v1/chat/completions`, `/v1/responses` and
+`/v1/models`, Anthropic's `/v1/messages`, `/tokenize`, `/detokenize`, `/health` and `/metrics`
+over one engine, behind its API keys."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from scheduler.api import Scheduler
 from scheduler.errors import SchedulerError
-from scheduler.serving.http import anthropic
+from scheduler.serving.http import anthropic, responses_api
 from scheduler.serving.http import requests as rq
 from scheduler.serving.http import responses as rs
 from scheduler.serving.http import tokens as tk
@@ -92,6 +92,7 @@ def create_app(
         Route("/v1/messages/count_tokens",
               api.endpoint(api.count_tokens, "count", "messages", anthropic.error_response),
               methods=["POST"]),
+        Route("/v1/responses", api.endpoint(api.responses, "resp", "input"), methods=["POST"]),
         Route("/tokenize", api.endpoint(api.tokenize, "tok", "prompt"), methods=["POST"]),
         Route("/detokenize", api.endpoint(api.detokenize, "detok", "tokens"), methods=["POST"]),
         Route("/health", api.endpoint(api.health, "health"), methods=["GET"]),
@@ -226,6 +227,12 @@ class _OpenAI:
         sched = self.sched
         return await anthropic.messages(request, rid, body, sched, SchedulerPrompts(sched), self.tokens,
                                         self.model_name)
+
+    async def responses(self, request: Request, rid: str) -> Response:
+        body = await read_body(request, self._limits.body_timeout_s)
+        sched = self.sched
+        return await responses_api.respond(request, rid, body, sched, SchedulerPrompts(sched), self.tokens,
+                                           self.model_name)
 
     async def count_tokens(self, request: Request, rid: str) -> Response:
         body = await read_body(request, self._limits.body_timeout_s)

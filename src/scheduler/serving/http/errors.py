@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 _PARAMS = frozenset({
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "priority", "prompt",
     "messages", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "penalty_context", "logit_bias", "n",
+    "repetition_penalty", "penalty_context", "logit_bias", "n", "input",
 })
 
 

@@ -1,5 +1,6 @@
-"""Anthropic's Messages API through the official `anthropic` client: whole and streamed text,
-system prompts, stop sequences, token counting, and errors in Anthropic's shape."""
+"""The endpoints agents use, through their official clients: Anthropic's Messages API (`anthropic`:
+whole and streamed text, system prompts, stop sequences, token counting, errors in its shape) and
+OpenAI's Responses API (`openai`: whole and streamed text, instructions, max_output_tokens)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import anthropic
 import anyio
+import openai
 import pytest
 
 from scheduler import SamplingParams, Scheduler
@@ -62,3 +64,33 @@ async def test_the_anthropic_client_gets_the_same_text_whole_and_streamed(model_
     assert image.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
     assert "only text blocks" in image.value.body["error"]["message"]  # type: ignore[index]
     assert denied.value.status_code == 401 and denied.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_openai_responses_api_whole_and_streamed(model_cache: Path) -> None:
+    with anyio.fail_after(90):
+        async with Scheduler(config(model_cache)) as s, uvicorn_serving(create_app(scheduler=s)) as url:
+            async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30) as client:
+                whole = await client.responses.create(model="m", instructions=SYSTEM, input="Say hello",
+                                                      max_output_tokens=8, temperature=0)
+                stream = await client.responses.create(model="m", instructions=SYSTEM, input="Say hello",
+                                                       max_output_tokens=8, temperature=0, stream=True)
+                events = [e async for e in stream]
+                turns = await client.responses.create(model="m", max_output_tokens=8, temperature=0, input=[
+                    {"role": "system", "content": SYSTEM}, {"role": "user", "content": [
+                        {"type": "input_text", "text": "Say hello"}]}])
+                with pytest.raises(openai.BadRequestError) as stored:
+                    await client.responses.create(model="m", input="hi", previous_response_id="resp_1")
+            prompt = s.chat_prompt([{"role": "system", "content": SYSTEM}, *ASK])
+            direct = await s.complete(prompt, SamplingParams(max_tokens=8, temperature=0.0))
+    assert whole.output_text == direct.text == turns.output_text
+    assert whole.usage is not None and whole.usage.input_tokens == len(prompt)
+    assert whole.usage.output_tokens == direct.completion_tokens
+    assert whole.status == ("incomplete" if direct.finish_reason == "length" else "completed")
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-1] == "response.completed" and [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-1].response.output_text
+    assert stored.value.body["param"] == "previous_response_id"  # type: ignore[index]
