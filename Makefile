@@ -25,7 +25,7 @@ lint: $(STAMP)
 
 # The handbook, built with --strict so a broken link or a page missing from the nav fails.
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
