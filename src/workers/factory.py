@@ -10,12 +10,13 @@ import msgspec
 import structlog
 from mlx_lm.models.cache import KVCache
 
+from workers.batching.engine import Engine, MLXEngine
+from workers.batching.mlxlm import keep_leading_space
+from workers.batching.quantfold import fold_decode_batch
 from workers.blas import BlasState, blas_state
 from workers.cuda import apply_cuda_defaults, on_cuda
 from workers.loading.dtypes import Dequantize, DTypeName, Precision
-from workers.batching.engine import Engine, MLXEngine
 from workers.loading.models import ModelInfo, load, model_info, resolve_model
-from workers.batching.quantfold import fold_decode_batch
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -36,19 +37,7 @@ class TokenizerCodec:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special))
 
     def detokenizer(self) -> Any:
-        detokenizer = self.tokenizer.detokenizer
-        # mlx-lm drops the first generated token's leading space, but generated text continues
-        # its prompt: " Paris" after "The capital of France is" keeps its space, as a whole
-        # decode of the same tokens does.
-        if hasattr(detokenizer, "trim_space"):
-            detokenizer.trim_space = False
-        if hasattr(detokenizer, "_maybe_trim_space"):
-            detokenizer._maybe_trim_space = _untrimmed
-        return detokenizer
-
-
-def _untrimmed(text: str) -> str:
-    return text
+        return keep_leading_space(self.tokenizer.detokenizer)
 
 
 class Loaded(msgspec.Struct, frozen=True):

@@ -20,6 +20,7 @@ from workers.batching.cachekinds import cache_support, trimmable
 from workers.batching.kvstore import KVStore, LayerKV, common_prefix
 from workers.batching.logits import Wanted, processors
 from workers.batching.maskfree import MaskFreeDecode
+from workers.batching.mlxlm import generation_batch, prompt_tokens_done, queue_sizes
 from workers.messages import Admit, Key, Logprobs, SamplingSpec
 
 Sampler = Callable[[mx.array], mx.array]
@@ -252,7 +253,7 @@ class MLXEngine:
             row = [(c.keys, c.values) for c in finished.prompt_cache]
             start = 0
         else:
-            batch = self._gen._generation_batch
+            batch = generation_batch(self._gen)
             idx = batch.uids.index(uid)
             caches = batch.prompt_cache
             row = [(c.keys[idx : idx + 1], c.values[idx : idx + 1]) for c in caches]
@@ -297,18 +298,18 @@ class MLXEngine:
 
     def step(self) -> StepResult:
         gen = self._gen
-        decoding = len(gen._generation_batch)
+        sizes = queue_sizes(gen)
+        decoding = sizes.decoding
         gen.prefill_step_size, gen.prefill_batch_size = self._budget.plan(
             decoding=decoding,
-            in_prefill=len(gen._prompt_batch),
-            waiting=len(gen._unprocessed_sequences),
+            in_prefill=sizes.prefilling,
+            waiting=sizes.waiting,
             room=gen.completion_batch_size - decoding,
         )
-        counters = gen._counters
-        before = counters.prompt_tokens
+        before = prompt_tokens_done(gen)
         self.mask_free.before_step(gen)
         _, responses = gen.next()
-        prefilled = counters.prompt_tokens - before
+        prefilled = prompt_tokens_done(gen) - before
         rids: list[int] = []
         tokens: list[int] = []
         finished: list[int] = []
@@ -353,7 +354,7 @@ class MLXEngine:
 
     def held(self) -> int:
         gen = self._gen
-        return len(gen._unprocessed_sequences) + len(gen._prompt_batch) + len(gen._generation_batch)
+        return sum(queue_sizes(gen))
 
     def rids(self) -> list[int]:
         return list(self._uid_of)

@@ -24,6 +24,8 @@ import structlog
 from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache
 
+from workers.batching.mlxlm import generation_batch, missing_private_fields
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -44,13 +46,7 @@ def check_mlx_lm(gen: Any = None) -> str | None:
     `BatchGenerator` whose attributes to check as well."""
     problems: list[str] = []
     if gen is not None:
-        batch = getattr(gen, "_generation_batch", None)
-        if batch is None:
-            problems.append("BatchGenerator._generation_batch")
-        elif not isinstance(getattr(batch, "uids", None), list) or not isinstance(
-            getattr(batch, "prompt_cache", None), list
-        ):
-            problems.append("GenerationBatch.uids / prompt_cache")
+        problems += missing_private_fields(gen)
     cache = BatchKVCache([0])
     if not hasattr(cache, "left_padding") or "return_array" not in inspect.signature(
         BatchKVCache.make_mask
@@ -119,7 +115,7 @@ class MaskFreeDecode:
                 log.warning("mask_free_decode_unavailable", reason=problem)
                 self.enabled, self.unavailable = False, problem
                 return False
-        batch = gen._generation_batch
+        batch = generation_batch(gen)
         rows = tuple(batch.uids)
         if not rows:
             return False

@@ -213,10 +213,10 @@ def write_model(spec: SyntheticSpec, seed: int, out: Path, name: str = "") -> No
 
 def _parameter_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes, from mlx-lm's own class for the architecture."""
-    from mlx_lm.utils import _get_classes  # resolves aliases such as mistral -> llama
+    from workers.batching.mlxlm import model_classes
 
     config = spec.config([0], 0)
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))  # lazily initialised: nothing is computed here
     flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     # Tied checkpoints carry no lm_head; classes such as gemma3's make one and drop it on load.

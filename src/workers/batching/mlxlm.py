@@ -1,0 +1,83 @@
+"""Every use of mlx-lm's private state, in one place.
+
+mlx-lm's `BatchGenerator` has no public view of its queues, its prefill progress or its decoding
+rows' caches, and we need each: the prefill budget plans from the queue sizes, a step reports how
+many prompt tokens it prefilled, finished prompts' KV blocks are copied out of the decoding rows,
+and the mask-free decode reads their padding. `PRIVATE_FIELDS` names each private thing we use and
+why; `missing_private_fields` checks a live generator for them, so an mlx-lm upgrade that renames
+or drops one fails one test loudly, by name, instead of breaking a step at run time. (The private
+parts of the attention path that the mask-free decode patches are checked by `maskfree.REQUIRED`.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+PRIVATE_FIELDS: dict[str, str] = {
+    "BatchGenerator._generation_batch": "the decoding rows: queue sizes, prefix blocks, mask-free decode",
+    "BatchGenerator._prompt_batch": "the rows being prefilled: the prefill budget's plan",
+    "BatchGenerator._unprocessed_sequences": "the rows waiting to prefill: the prefill budget's plan",
+    "BatchGenerator._counters.prompt_tokens": "prompt tokens prefilled so far: each step's prefill count",
+    "GenerationBatch.uids": "which row is which request",
+    "GenerationBatch.prompt_cache": "the rows' caches: a finished prompt's KV blocks",
+}
+"""What we read of `BatchGenerator` that is not its public API (mlx-lm 0.32), and what for."""
+
+
+class QueueSizes(NamedTuple):
+    decoding: int
+    prefilling: int
+    waiting: int
+
+
+def generation_batch(gen: Any) -> Any:
+    """The generator's decoding rows (`uids`, `prompt_cache`)."""
+    return gen._generation_batch
+
+
+def queue_sizes(gen: Any) -> QueueSizes:
+    return QueueSizes(len(gen._generation_batch), len(gen._prompt_batch), len(gen._unprocessed_sequences))
+
+
+def prompt_tokens_done(gen: Any) -> int:
+    """Prompt tokens the generator has prefilled since it was made."""
+    return int(gen._counters.prompt_tokens)
+
+
+def missing_private_fields(gen: Any) -> list[str]:
+    """The names in `PRIVATE_FIELDS` that `gen` (a live `BatchGenerator`) no longer has."""
+    missing = []
+    for name in ("_generation_batch", "_prompt_batch", "_unprocessed_sequences"):
+        if not hasattr(gen, name):
+            missing.append(f"BatchGenerator.{name}")
+    counters = getattr(gen, "_counters", None)
+    if not isinstance(getattr(counters, "prompt_tokens", None), int):
+        missing.append("BatchGenerator._counters.prompt_tokens")
+    batch = getattr(gen, "_generation_batch", None)
+    if batch is not None:
+        for name in ("uids", "prompt_cache"):
+            if not isinstance(getattr(batch, name, None), list):
+                missing.append(f"GenerationBatch.{name}")
+    return missing
+
+
+def keep_leading_space(detokenizer: Any) -> Any:
+    """mlx-lm's streaming detokenizers drop the first token's leading space; generated text
+    continues its prompt, so " Paris" after "The capital of France is" must keep it. The
+    SentencePiece detokenizer has a public `trim_space`; the BPE one only a private hook."""
+    if hasattr(detokenizer, "trim_space"):
+        detokenizer.trim_space = False
+    if hasattr(detokenizer, "_maybe_trim_space"):
+        detokenizer._maybe_trim_space = _untrimmed
+    return detokenizer
+
+
+def _untrimmed(text: str) -> str:
+    return text
+
+
+def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
+    """mlx-lm's model and args classes for a config (aliases such as mistral -> llama resolved)."""
+    from mlx_lm.utils import _get_classes
+
+    return _get_classes(config)  # type: ignore[no-any-return]

@@ -1,0 +1,71 @@
+"""The one adapter over mlx-lm's private state: it must find every field it names on a live
+`BatchGenerator` (an mlx-lm upgrade that changes one fails here, naming it), and what it reads
+must describe the generator truly."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+import pytest
+from mlx_lm.generate import BatchGenerator
+
+from workers.batching.mlxlm import (
+    PRIVATE_FIELDS,
+    generation_batch,
+    missing_private_fields,
+    model_classes,
+    prompt_tokens_done,
+    queue_sizes,
+)
+from workers.loading.models import load_model
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_live_batch_generator_has_every_private_field_we_use(model_cache: Path) -> None:
+    model, _ = load_model("synthetic:tiny", model_cache)
+    gen = BatchGenerator(model, max_tokens=4)
+    try:
+        missing = missing_private_fields(gen)
+    finally:
+        gen.close()
+    assert not missing, (
+        f"mlx-lm {version('mlx-lm')} no longer has {', '.join(missing)}; "
+        "src/workers/batching/mlxlm.py must be updated (what each is for: PRIVATE_FIELDS)")
+
+
+def test_what_the_adapter_reads_follows_the_generator(model_cache: Path) -> None:
+    model, _ = load_model("synthetic:tiny", model_cache)
+    gen = BatchGenerator(model, max_tokens=6, prefill_batch_size=1)
+    try:
+        assert tuple(queue_sizes(gen)) == (0, 0, 0) and prompt_tokens_done(gen) == 0
+        uids = gen.insert([[5, 6, 7, 8], [9, 10, 11]], max_tokens=[6, 6])
+        assert sum(queue_sizes(gen)) == 2 and queue_sizes(gen).waiting >= 1
+        for _ in range(8):  # until both prompts are prefilled and decoding
+            gen.next()
+            if queue_sizes(gen).decoding == 2:
+                break
+        assert queue_sizes(gen) == (2, 0, 0)
+        assert prompt_tokens_done(gen) >= 7 - 2  # each prompt's tokens but the last go through prefill
+        batch = generation_batch(gen)
+        assert sorted(batch.uids) == sorted(uids) and len(batch.prompt_cache) == len(model.layers)
+    finally:
+        gen.close()
+
+
+def test_a_missing_field_is_reported_by_its_name() -> None:
+    batch = SimpleNamespace(uids=[1], prompt_cache=None)
+    gen = SimpleNamespace(_generation_batch=batch, _prompt_batch=[], _counters=SimpleNamespace(prompt_tokens=3))
+    assert missing_private_fields(gen) == [
+        "BatchGenerator._unprocessed_sequences", "GenerationBatch.prompt_cache"]
+    assert set(missing_private_fields(SimpleNamespace())) <= set(PRIVATE_FIELDS)
+
+
+def test_model_classes_resolve_an_alias_to_mlx_lms_class() -> None:
+    model_class, args_class = model_classes({"model_type": "mistral"})
+    assert model_class.__module__ == "mlx_lm.models.llama" and args_class.__name__ == "ModelArgs"
