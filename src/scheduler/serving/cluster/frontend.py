@@ -65,7 +65,7 @@ class RemoteStream:
     """A replica's `generate` stream as the `RequestStream` that `EventStream` reads. A replica
     that dies mid-stream ends it with an "error" chunk naming the replica: no hang."""
 
-    def __init__(self, gen: DeploymentResponseGenerator, replica: str, choices: int) -> None:
+    def __init__(self, gen: DeploymentResponseGenerator, replica: str, choices: int = 1) -> None:
         self._gen = gen
         self.replica = replica
         self._ended = False
