@@ -14,6 +14,8 @@ from mlx_lm.generate import BatchGenerator
 from workers.batching.mlxlm import (
     PRIVATE_FIELDS,
     generation_batch,
+    keep_leading_space,
+    missing_generator_fields,
     missing_private_fields,
     model_classes,
     prompt_tokens_done,
@@ -27,16 +29,24 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.integration
 
 
+def _changed(missing: list[str]) -> str:
+    return (
+        f"mlx-lm {version('mlx-lm')} no longer has {', '.join(missing)}; "
+        "src/workers/batching/mlxlm.py must be updated (what each is for: PRIVATE_FIELDS)"
+    )
+
+
 def test_a_live_batch_generator_has_every_private_field_we_use(model_cache: Path) -> None:
+    # First what needs no generator: building the synthetic model itself uses `_get_classes`.
+    missing = missing_private_fields()
+    assert not missing, _changed(missing)
     model, _ = load_model("synthetic:tiny", model_cache)
     gen = BatchGenerator(model, max_tokens=4)
     try:
         missing = missing_private_fields(gen)
     finally:
         gen.close()
-    assert not missing, (
-        f"mlx-lm {version('mlx-lm')} no longer has {', '.join(missing)}; "
-        "src/workers/batching/mlxlm.py must be updated (what each is for: PRIVATE_FIELDS)")
+    assert not missing, _changed(missing)
 
 
 def test_what_the_adapter_reads_follows_the_generator(model_cache: Path) -> None:
@@ -60,10 +70,59 @@ def test_what_the_adapter_reads_follows_the_generator(model_cache: Path) -> None
 
 def test_a_missing_field_is_reported_by_its_name() -> None:
     batch = SimpleNamespace(uids=[1], prompt_cache=None)
-    gen = SimpleNamespace(_generation_batch=batch, _prompt_batch=[], _counters=SimpleNamespace(prompt_tokens=3))
-    assert missing_private_fields(gen) == [
-        "BatchGenerator._unprocessed_sequences", "GenerationBatch.prompt_cache"]
+    gen = SimpleNamespace(
+        _generation_batch=batch, _prompt_batch=[], _counters=SimpleNamespace(prompt_tokens=3)
+    )
+    assert missing_generator_fields(gen) == [
+        "BatchGenerator._unprocessed_sequences",
+        "GenerationBatch.prompt_cache",
+    ]
     assert set(missing_private_fields(SimpleNamespace())) <= set(PRIVATE_FIELDS)
+
+
+class _OldDetokenizer:
+    def _maybe_trim_space(self, text: str, first: bool) -> str:  # a changed signature
+        return text
+
+
+def test_a_missing_hook_or_helper_is_reported_by_its_name() -> None:
+    whole = SimpleNamespace(
+        _generation_batch=SimpleNamespace(uids=[], prompt_cache=[]),
+        _prompt_batch=[],
+        _unprocessed_sequences=[],
+        _counters=SimpleNamespace(prompt_tokens=0),
+    )
+    assert missing_private_fields(whole, detokenizer_class=object, utils=SimpleNamespace()) == [
+        "BPEStreamingDetokenizer._maybe_trim_space(text)",
+        "mlx_lm.utils._get_classes",
+    ]
+    assert missing_private_fields(
+        whole, detokenizer_class=_OldDetokenizer, utils=SimpleNamespace(_get_classes=len)
+    ) == ["BPEStreamingDetokenizer._maybe_trim_space(text)"]
+
+
+class _Tokens:
+    """The two-token vocabulary a BPE detokenizer needs: "\u0120" is BPE's byte for a space."""
+
+    pieces = ("\u0120Paris", "!")
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.pieces[i] for i in ids]
+
+
+def test_keep_leading_space_keeps_a_streams_first_space() -> None:
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+    trimmed = BPEStreamingDetokenizer(_Tokens())
+    kept = keep_leading_space(BPEStreamingDetokenizer(_Tokens()))
+    for d in (trimmed, kept):
+        d.add_token(0)
+        d.add_token(1)
+        d.finalize()
+    assert (trimmed.text, kept.text) == ("Paris!", " Paris!")
 
 
 def test_model_classes_resolve_an_alias_to_mlx_lms_class() -> None:

@@ -24,7 +24,7 @@ import structlog
 from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache
 
-from workers.batching.mlxlm import generation_batch, missing_private_fields
+from workers.batching.mlxlm import generation_batch, missing_generator_fields
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -46,7 +46,7 @@ def check_mlx_lm(gen: Any = None) -> str | None:
     `BatchGenerator` whose attributes to check as well."""
     problems: list[str] = []
     if gen is not None:
-        problems += missing_private_fields(gen)
+        problems += missing_generator_fields(gen)
     cache = BatchKVCache([0])
     if not hasattr(cache, "left_padding") or "return_array" not in inspect.signature(
         BatchKVCache.make_mask

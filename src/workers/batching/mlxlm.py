@@ -3,14 +3,18 @@
 mlx-lm's `BatchGenerator` has no public view of its queues, its prefill progress or its decoding
 rows' caches, and we need each: the prefill budget plans from the queue sizes, a step reports how
 many prompt tokens it prefilled, finished prompts' KV blocks are copied out of the decoding rows,
-and the mask-free decode reads their padding. `PRIVATE_FIELDS` names each private thing we use and
-why; `missing_private_fields` checks a live generator for them, so an mlx-lm upgrade that renames
-or drops one fails one test loudly, by name, instead of breaking a step at run time. (The private
-parts of the attention path that the mask-free decode patches are checked by `maskfree.REQUIRED`.)
+and the mask-free decode reads their padding. Two more private names serve the edges: the BPE
+detokenizer's space-trimming hook and the lookup of an architecture's model classes.
+`PRIVATE_FIELDS` names each private thing we use and why; `missing_private_fields` checks a live
+generator and mlx-lm's classes for them, so an mlx-lm upgrade that renames or drops one fails one
+test loudly, by name, instead of breaking a step at run time or silently dropping a space. (The
+private parts of the attention path that the mask-free decode patches are checked by
+`maskfree.REQUIRED`.)
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, NamedTuple
 
 PRIVATE_FIELDS: dict[str, str] = {
@@ -20,8 +24,10 @@ PRIVATE_FIELDS: dict[str, str] = {
     "BatchGenerator._counters.prompt_tokens": "prompt tokens prefilled so far: each step's prefill count",
     "GenerationBatch.uids": "which row is which request",
     "GenerationBatch.prompt_cache": "the rows' caches: a finished prompt's KV blocks",
+    "BPEStreamingDetokenizer._maybe_trim_space(text)": "replaced so generated text keeps its first space",
+    "mlx_lm.utils._get_classes": "an architecture's model classes: a synthetic model's parameter shapes",
 }
-"""What we read of `BatchGenerator` that is not its public API (mlx-lm 0.32), and what for."""
+"""What we use of mlx-lm that is not its public API (mlx-lm 0.32), and what for."""
 
 
 class QueueSizes(NamedTuple):
@@ -44,8 +50,30 @@ def prompt_tokens_done(gen: Any) -> int:
     return int(gen._counters.prompt_tokens)
 
 
-def missing_private_fields(gen: Any) -> list[str]:
-    """The names in `PRIVATE_FIELDS` that `gen` (a live `BatchGenerator`) no longer has."""
+def missing_private_fields(
+    gen: Any = None, detokenizer_class: Any = None, utils: Any = None
+) -> list[str]:
+    """The names in `PRIVATE_FIELDS` that mlx-lm no longer has: `gen` is a live `BatchGenerator`
+    (None: check only what needs none, as a model cannot be built without `_get_classes`);
+    `detokenizer_class` and `utils` stand for mlx-lm's `BPEStreamingDetokenizer` and
+    `mlx_lm.utils` (its own when None)."""
+    if detokenizer_class is None:
+        from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer as detokenizer_class
+    if utils is None:
+        import mlx_lm.utils as utils
+    missing = [] if gen is None else missing_generator_fields(gen)
+    hook = getattr(detokenizer_class, "_maybe_trim_space", None)
+    # keep_leading_space's replacement takes the text alone, as mlx-lm's bound method does.
+    if not callable(hook) or len(inspect.signature(hook).parameters) != 2:
+        missing.append("BPEStreamingDetokenizer._maybe_trim_space(text)")
+    if not callable(getattr(utils, "_get_classes", None)):
+        missing.append("mlx_lm.utils._get_classes")
+    return missing
+
+
+def missing_generator_fields(gen: Any) -> list[str]:
+    """The names in `PRIVATE_FIELDS` that `gen` (a live `BatchGenerator`) no longer has; what
+    the mask-free decode checks before it reads the decoding rows."""
     missing = []
     for name in ("_generation_batch", "_prompt_batch", "_unprocessed_sequences"):
         if not hasattr(gen, name):
