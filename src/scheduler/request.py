@@ -52,10 +52,8 @@ def _problem(r: Request) -> str | None:  # noqa: C901 - a flat list of checks re
     if t is not None and (not isinstance(t, int | float) or isinstance(t, bool)
                           or not math.isfinite(t) or t <= 0):
         return f"timeout must be a positive number of seconds or None, got {t!r}"
-    s = r.session
-    if s is not None and (not isinstance(s, str) or not s or len(s) > MAX_TENANT_CHARS):
-        return (f"session must be None or a non-empty string of at most {MAX_TENANT_CHARS} "
-                f"characters, got {s!r}"[:200])
+    if (problem := _session_problem(r.session)) is not None:
+        return problem
     if isinstance(r.prompt, str):
         if not r.prompt:
             return "prompt is empty"
@@ -96,14 +94,19 @@ def make_request(
                    timeout=timeout, session=session)  # type: ignore[arg-type]
 
 
-def check_session(session: object) -> None:
+def _session_problem(session: object) -> str | None:
     if session is not None and (
         not isinstance(session, str) or not session or len(session) > MAX_TENANT_CHARS
     ):
-        raise InvalidRequest(
-            f"session must be None or a non-empty string of at most {MAX_TENANT_CHARS} characters, "
-            f"got {session!r}"[:200]
-        )
+        return (f"session must be None or a non-empty string of at most {MAX_TENANT_CHARS} "
+                f"characters, got {session!r}"[:200])
+    return None
+
+
+def check_session(session: object) -> None:
+    """The session check of `Request`, for calls that take a session alone (`drop_session`)."""
+    if (problem := _session_problem(session)) is not None:
+        raise InvalidRequest(problem)
 
 
 def check_token_ids(ids: list[Any], vocab_size: int) -> None:

@@ -17,7 +17,7 @@ from scheduler.request import Request
 from scheduler.serving.http import requests as rq
 from scheduler.serving.http.errors import ApiError, invalid
 from scheduler.serving.http.prompts import chat_ids
-from scheduler.serving.http.sse import Dialect, event_stream, whole
+from scheduler.serving.http.sse import NamedEvents, event_stream, named_event, whole
 
 if TYPE_CHECKING:
     from starlette.requests import Request as HttpRequest
@@ -132,21 +132,15 @@ def _error_body(error: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": error.body.message}}
 
 
-class AnthropicDialect(Dialect):
-    """Named events (`event: x` then `data: {...}`); no `[DONE]`; errors as an `error` event."""
-
-    def frames(self, events: list[bytes]) -> bytes:
-        return b"".join(events)
-
-    def done(self) -> list[bytes]:
-        return []
+class AnthropicDialect(NamedEvents):
+    """Errors after the 200 as Anthropic's `error` event."""
 
     def error(self, error: ApiError) -> bytes:
         return _event("error", _error_body(error))
 
 
 def _event(name: str, data: Any) -> bytes:
-    return b"event: " + name.encode() + b"\ndata: " + _encode(data) + b"\n\n"
+    return named_event(name, _encode(data))
 
 
 class MessageEvents:

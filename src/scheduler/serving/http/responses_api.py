@@ -16,7 +16,7 @@ from scheduler.request import Request
 from scheduler.serving.http import requests as rq
 from scheduler.serving.http.errors import ApiError, invalid
 from scheduler.serving.http.prompts import chat_ids
-from scheduler.serving.http.sse import Dialect, event_stream, whole
+from scheduler.serving.http.sse import NamedEvents, event_stream, named_event, whole
 
 if TYPE_CHECKING:
     from starlette.requests import Request as HttpRequest
@@ -123,7 +123,7 @@ class ResponseEvents:
     def _event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self._seq, **fields}
         self._seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + _encode(data) + b"\n\n"
+        return named_event(kind, _encode(data))
 
     def __call__(self, chunk: Chunk) -> list[bytes]:
         b, out = self._body, []
@@ -145,19 +145,13 @@ class ResponseEvents:
         return out
 
 
-class ResponsesDialect(Dialect):
-    """Named events, no `[DONE]`; a failure after the 200 is an `error` event."""
-
-    def frames(self, events: list[bytes]) -> bytes:
-        return b"".join(events)
-
-    def done(self) -> list[bytes]:
-        return []
+class ResponsesDialect(NamedEvents):
+    """A failure after the 200 as the Responses API's `error` event."""
 
     def error(self, error: ApiError) -> bytes:
         data = {"type": "error", "code": error.body.code, "message": error.body.message,
                 "param": error.body.param, "sequence_number": 0}
-        return b"event: error\ndata: " + _encode(data) + b"\n\n"
+        return named_event("error", _encode(data))
 
 
 async def respond(

@@ -45,6 +45,22 @@ class Dialect:
 OPENAI = Dialect()
 
 
+def named_event(name: str, data: bytes) -> bytes:
+    """One `event: name` frame with its JSON `data`."""
+    return b"event: " + name.encode() + b"\ndata: " + data + b"\n\n"
+
+
+class NamedEvents(Dialect):
+    """APIs whose renderers frame their own named events and send no `[DONE]` (Anthropic's
+    Messages, OpenAI's Responses); each says how its error event reads."""
+
+    def frames(self, events: list[bytes]) -> bytes:
+        return b"".join(events)
+
+    def done(self) -> list[bytes]:
+        return []
+
+
 class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
 
