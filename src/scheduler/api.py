@@ -22,6 +22,7 @@ from scheduler.assembly import Scopes, build_stats, is_wrapping, log_model_facts
 from scheduler.config import SchedulerConfig
 from scheduler.errors import (
     ConfigError,
+    InvalidRequest,
     ModelLoadError,
     SchedulerClosed,
     SchedulerError,
@@ -247,6 +248,11 @@ class Scheduler:
         if isinstance(request.prompt, list):
             check_token_ids(request.prompt, vocab)
         check_bias(request.params, vocab)
+        if self.model.grammar_unavailable and (
+            request.params.json_schema is not None or request.params.grammar is not None
+        ):
+            raise InvalidRequest(f"structured output is unavailable for this model: "
+                                 f"{self.model.grammar_unavailable}")
         send = self._submit if stream else functools.partial(self._submit, stream=False)
         return RequestStream(send, self.cancel, request)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgspec
 
@@ -13,6 +14,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
 MAX_CHOICES = 16
+MAX_GRAMMAR_CHARS = 256 * 1024
 
 
 def _is_int(value: object) -> bool:
@@ -42,7 +44,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     `frequency_penalty` (-2 to 2) subtract once per token present, and per occurrence, among
     the last `penalty_context` tokens; `repetition_penalty` (> 0, 1 is off) divides the logits of
     those tokens; `logit_bias` adds (-100 to 100) to the logits of given token ids, as
-    `((token_id, bias), ...)` or a dict."""
+    `((token_id, bias), ...)` or a dict.
+
+    `json_schema`: the output is JSON that validates against this schema (`{"type": "object"}`:
+    any JSON object), compiled by the grammar engine (llguidance) and enforced token by token;
+    a schema it cannot compile is refused with its reason. `grammar`: the same for a grammar in
+    llguidance's Lark dialect (which may embed `%json{...}` schemas). Output that reaches
+    `max_tokens` first ends with reason "length" and is cut short, as with any output."""
 
     max_tokens: int = 256
     temperature: float = 1.0
@@ -62,6 +70,19 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     logit_bias: tuple[tuple[int, float], ...] | dict[int, float] = ()
     n: int = 1
     """Choices to generate for the prompt (up to 16); they share its KV through the prefix cache."""
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
+
+    @property
+    def grammar_text(self) -> str | None:
+        """The grammar engine's form of `json_schema` or `grammar` (None: free text)."""
+        from workers.batching.grammar import json_schema_grammar, lark_grammar
+
+        if self.json_schema is not None:
+            return json_schema_grammar(self.json_schema)
+        if self.grammar is not None:
+            return lark_grammar(self.grammar)
+        return None
 
     @property
     def bias(self) -> tuple[tuple[int, float], ...]:
@@ -141,4 +162,31 @@ def _logits_problem(p: SamplingParams) -> str | None:  # noqa: C901 - a flat lis
         if not (isinstance(pair, tuple | list) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
                 and _is_number(pair[1]) and -100.0 <= pair[1] <= 100.0):
             return f"logit_bias entries must be (token_id >= 0, bias in [-100, 100]), got {pair!r}"[:200]
+    return _grammar_problem(p)
+
+
+def _grammar_problem(p: SamplingParams) -> str | None:
+    if p.json_schema is None and p.grammar is None:
+        return None
+    if p.json_schema is not None and p.grammar is not None:
+        return "give json_schema or grammar, not both"
+    if p.json_schema is not None and not isinstance(p.json_schema, dict):
+        return f"json_schema must be a JSON Schema object (a dict), got {type(p.json_schema).__name__}"
+    if p.grammar is not None and (not isinstance(p.grammar, str) or not p.grammar.strip()):
+        return f"grammar must be a non-empty string, got {p.grammar!r}"[:200]
+    if p.ignore_eos:
+        return "ignore_eos cannot be combined with json_schema or grammar: a finished grammar ends with EOS"
+    from workers.batching.grammar import grammar_problem
+
+    try:
+        text = p.grammar_text
+    except (ValueError, TypeError) as exc:  # not JSON-serializable, or not an object
+        return f"json_schema cannot be used: {exc}"[:300]
+    assert text is not None
+    field = "json_schema" if p.json_schema is not None else "grammar"
+    if len(text) > MAX_GRAMMAR_CHARS:
+        return f"{field} is too large: {len(text)} characters as a grammar, at most {MAX_GRAMMAR_CHARS}"
+    problem = grammar_problem(text)
+    if problem is not None:
+        return f"{field} cannot be compiled: {problem}"[:500]
     return None

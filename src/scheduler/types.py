@@ -113,6 +113,9 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     mask_free_decode: bool = True
     """False when no decode step can skip mlx-lm's attention mask (sliding-window or recurrent
     layers, or an mlx-lm whose internals changed; the log says which)."""
+    structured_output: bool = True
+    """False when the grammar engine cannot read this model's tokenizer (`json_schema` and
+    `grammar` are then refused; the log says why)."""
     blas: str = ""
     """The BLAS under MLX's CPU backend: "openblas", "accelerate" (macOS) or "bundled" (the mlx
     wheel's reference BLAS, 20-50x slower for float32 matmuls)."""

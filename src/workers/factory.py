@@ -11,7 +11,8 @@ import structlog
 from mlx_lm.models.cache import KVCache
 
 from workers.batching.engine import Engine, MLXEngine
-from workers.batching.mlxlm import keep_leading_space
+from workers.batching.grammar import grammar_tokenizer
+from workers.batching.mlxlm import hf_tokenizer, keep_leading_space
 from workers.batching.quantfold import fold_decode_batch
 from workers.blas import BlasState, blas_state
 from workers.cuda import apply_cuda_defaults, on_cuda
@@ -61,6 +62,8 @@ class Loaded(msgspec.Struct, frozen=True):
     """The compute dtype the weights were given on this device, and any dequantization."""
     blas: BlasState = BlasState("")
     """The BLAS under MLX's CPU backend in the worker's process."""
+    grammar_unavailable: str = ""
+    """Why this model cannot do structured output ("" when it can)."""
 
 
 def mlx_engine_factory(
@@ -91,6 +94,7 @@ def mlx_engine_factory(
                 log.info("quantized_decode_folded", layers=folded,
                          note="[worker] fold_quantized = false turns it off")
         info = model_info(model, tokenizer, directory, name=path)  # path: the directory it loaded
+        grammar, grammar_unavailable = grammar_tokenizer(hf_tokenizer(tokenizer), info.vocab_size)
         engine = MLXEngine(
             model,
             vocab_size=info.vocab_size,
@@ -99,6 +103,7 @@ def mlx_engine_factory(
             prefill_step=prefill_step,
             step_token_budget=step_token_budget,
             block_tokens=block_tokens,
+            grammar=grammar,
         )
         loaded = Loaded(
             info, TokenizerCodec(tokenizer), device_memory(), dense_step=KVCache.step,
@@ -106,6 +111,7 @@ def mlx_engine_factory(
             prefix_unavailable=engine.support.reason,
             mask_free_unavailable=engine.mask_free_unavailable,
             precision=loaded_model.precision, blas=blas_state(),
+            grammar_unavailable=grammar_unavailable,
         )
         return engine, loaded
 

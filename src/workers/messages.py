@@ -17,13 +17,15 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True):
 
 class Processing(msgspec.Struct, frozen=True, array_like=True):
     """A row's logits processors (mlx-lm's): penalties over its last `context` tokens, and
-    additive biases. Rows without them cost the step nothing."""
+    additive biases; `grammar` (the grammar engine's text) holds its tokens to a grammar. Rows
+    without them cost the step nothing."""
 
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     context: int = 20
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str | None = None
 
 
 class Logprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):

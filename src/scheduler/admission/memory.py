@@ -259,10 +259,10 @@ def admit_message(live: Live, granted: Granted, eos: tuple[int, ...]) -> Admit:
 def processing(p: SamplingParams) -> Processing | None:
     """The row's logits processors, or None when it asks for none (the common case: free)."""
     if (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and not p.logit_bias):
+            and not p.logit_bias and p.json_schema is None and p.grammar is None):
         return None
     return Processing(p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
-                      p.penalty_context, p.bias)
+                      p.penalty_context, p.bias, p.grammar_text)
 
 
 class Outcome:

@@ -7,7 +7,7 @@ of actor logic substitute a fake that implements it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import mlx.core as mx
 import structlog
@@ -22,6 +22,9 @@ from workers.batching.logits import Wanted, processors
 from workers.batching.maskfree import MaskFreeDecode
 from workers.batching.mlxlm import generation_batch, prompt_tokens_done, queue_sizes
 from workers.messages import Admit, Key, Logprobs, SamplingSpec
+
+if TYPE_CHECKING:
+    from workers.batching.grammar import GrammarTokenizer
 
 Sampler = Callable[[mx.array], mx.array]
 log = structlog.get_logger("workers")
@@ -120,8 +123,10 @@ class MLXEngine:
         step_token_budget: int | str = "auto",
         block_tokens: int = 256,
         mask_free: bool = True,
+        grammar: GrammarTokenizer | None = None,
     ) -> None:
         self._vocab_size = vocab_size
+        self._grammar = grammar
         # Sessions need caches mlx-lm can extract and re-insert; prefix blocks need plain KVCaches.
         self.support = cache_support(make_prompt_cache(model))
         self._store = KVStore(block_tokens) if self.support.sessions else None
@@ -222,7 +227,7 @@ class MLXEngine:
             caches=[c for _, c, _ in starts] if any(c is not None for _, c, _ in starts) else None,
             all_tokens=[t for _, _, t in starts],
             samplers=cast("Any", [self._sampler(a.sampling, a.sampled) for a in admits]),
-            logits_processors=[processors(a.processing) for a in admits]
+            logits_processors=[processors(a, self._grammar) for a in admits]
             if any(a.processing is not None for a in admits) else None,
             stop_sequences=[self._stop(a.stop_token_ids) for a in admits],
         )

@@ -12,14 +12,18 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
+from workers.batching.grammar import GrammarProcessor
 from workers.messages import Logprobs
 
 if TYPE_CHECKING:
-    from workers.messages import Processing
+    from workers.batching.grammar import GrammarTokenizer
+    from workers.messages import Admit
 
 
-def processors(spec: Processing | None) -> list[Any] | None:
-    """mlx-lm logits processors for one row (None: the row has none)."""
+def processors(admit: Admit, grammar: GrammarTokenizer | None) -> list[Any] | None:
+    """mlx-lm logits processors for one row (None: the row has none). The grammar's mask comes
+    last, so no bias or penalty can bring back a token it rules out."""
+    spec = admit.processing
     if spec is None:
         return None
     made = make_logits_processors(
@@ -31,6 +35,11 @@ def processors(spec: Processing | None) -> list[Any] | None:
         frequency_penalty=spec.frequency_penalty or None,
         frequency_context_size=spec.context,
     )
+    if spec.grammar is not None:
+        if grammar is None:  # the scheduler refuses such requests; this is a second line
+            raise ValueError("a row asks for a grammar, but this model has no grammar tokenizer")
+        replay = admit.prompt[len(admit.prompt) - admit.sampled:] if admit.sampled else []
+        made.append(GrammarProcessor(grammar, spec.grammar, replay))
     return made or None
 
 

@@ -109,3 +109,9 @@ def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
     from mlx_lm.utils import _get_classes
 
     return _get_classes(config)  # type: ignore[no-any-return]
+
+
+def hf_tokenizer(wrapper: Any) -> Any:
+    """The Hugging Face tokenizer inside mlx-lm's `TokenizerWrapper` (its `_tokenizer`; the
+    wrapper forwards attribute reads, but the grammar engine needs the object itself)."""
+    return getattr(wrapper, "_tokenizer", wrapper)

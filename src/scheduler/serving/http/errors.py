@@ -18,8 +18,11 @@ if TYPE_CHECKING:
 _PARAMS = frozenset({
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "priority", "prompt",
     "messages", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "penalty_context", "logit_bias", "n", "input",
+    "repetition_penalty", "penalty_context", "logit_bias", "n", "input", "json_schema", "grammar",
+    "structured",
 })
+# Scheduler names whose request field is spelled otherwise in OpenAI's bodies.
+_FIELD = {"json_schema": "response_format", "structured": "response_format"}
 
 
 class ErrorBody(msgspec.Struct, frozen=True):
@@ -88,6 +91,7 @@ def from_scheduler(exc: SchedulerError, request_id: str, *, prompt_field: str = 
     if isinstance(exc, InvalidRequest):
         # The message names the field first ("top_p must be ...", "prompt[3] = ...", "each stop ...").
         param = next((w for w in re.findall(r"[a-z_]+", str(exc)) if w in _PARAMS), None)
+        param = _FIELD.get(param, param) if param else param
         return invalid(str(exc), prompt_field if param == "prompt" else param)
     if isinstance(exc, QueueFull):
         return ApiError(429, f"the scheduler's queue is full: {exc}", type="rate_limit_error",

@@ -1,7 +1,7 @@
 """OpenAI request bodies as msgspec Structs, checked and mapped onto the scheduler's arguments.
 
 Unknown fields are ignored (clients send many); known OpenAI features this server cannot honour
-(tools, structured output, ...) are rejected with a 400 that names the field."""
+(echo, suffix, best_of, ...) are rejected with a 400 that names the field."""
 
 from __future__ import annotations
 
@@ -29,6 +29,18 @@ class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(msgspec.Struct, frozen=True):
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Request(msgspec.Struct, kw_only=True, frozen=True):
     model: str | None = None
     max_tokens: int | None = None
@@ -43,6 +55,7 @@ class _Request(msgspec.Struct, kw_only=True, frozen=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     # Extensions: scheduling priority (lower first, as in vLLM); a session whose KV the next turn
     # continues; sampler knobs mlx_lm.server takes.
     priority: Priority = 0
@@ -72,17 +85,12 @@ class Message(msgspec.Struct, frozen=True):
     content: str | list[ContentPart] | None = None
 
 
-class ResponseFormat(msgspec.Struct, frozen=True):
-    type: str
-
-
 class ChatRequest(_Request, kw_only=True, frozen=True):
     messages: list[Message]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: ResponseFormat | None = None
 
 
 def decode(body: bytes, kind: type[T]) -> T:
@@ -135,9 +143,6 @@ def check_chat(req: ChatRequest) -> None:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     if req.tools:
         raise invalid("tools are not supported", "tools")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise invalid(f"response_format {req.response_format.type!r} is not supported; only 'text'",
-                      "response_format")
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
@@ -230,7 +235,23 @@ def sampling(
         penalty_context=req.repetition_context_size or 20,
         logit_bias=logit_bias(req.logit_bias),
         n=1 if req.n is None else req.n,
+        json_schema=response_schema(req.response_format),
     )
+
+
+def response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+    """The JSON schema `response_format` asks the output to follow (None: free text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise invalid("response_format.json_schema.schema is required for type 'json_schema'",
+                          "response_format")
+        return fmt.json_schema.schema
+    raise invalid(f"response_format.type must be 'text', 'json_object' or 'json_schema', got "
+                  f"{fmt.type[:40]!r}", "response_format")
 
 
 def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
