@@ -176,9 +176,12 @@ BAD_COMPLETIONS = [
 BAD_CHATS = [
     ({"messages": []}, "messages", "messages must not be empty"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "only text parts"),
-    ({"messages": [HELLO], "tools": [{"type": "function"}]}, "tools", "tools are not supported"),
+    ({"messages": [HELLO], "tools": [{"type": "function"}]}, "tools", "tools[0]: Object missing required field `function`"),
+    ({"messages": [HELLO], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "names the function 'g'"),
     ({"messages": [HELLO], "max_completion_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
-    ({"messages": [HELLO], "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"messages": [HELLO], "response_format": {"type": "yaml"}}, "response_format", "response_format.type must be"),
+    ({"messages": [HELLO], "response_format": {"type": "json_schema"}}, "response_format", "schema is required"),
     ({"messages": "hi"}, "messages", "messages: expected `array`"),
 ]
 

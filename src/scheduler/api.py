@@ -6,7 +6,7 @@ import functools
 import time
 import warnings
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -19,6 +19,7 @@ from scheduler.admission.actor import Admission
 from scheduler.admission.kvplan import KVPlan, layer_bytes, pool_size
 from scheduler.admission.messages import Cancel, Close, DropSession, Submit, SubmitEnvelope
 from scheduler.assembly import Scopes, build_stats, is_wrapping, log_model_facts, real_engine_factory
+from scheduler.chat.tools import ToolCalling
 from scheduler.config import SchedulerConfig
 from scheduler.errors import (
     ConfigError,
@@ -305,9 +306,21 @@ class Scheduler:
         """This scheduler's metrics in the Prometheus text format (`mlx_scheduler_*`)."""
         return self.metrics.text()
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` under the model's chat template, ready for `generate`."""
-        return chat_template_ids(self.model.codec.tokenizer, messages)
+    def chat_prompt(self, messages: list[dict[str, Any]], *, tools: ToolCalling | None = None) -> list[int]:
+        """Token ids of `messages` under the model's chat template, ready for `generate`; with
+        `tools` (from `tool_calling`), the tools are shown to the model and earlier calls and
+        results in `messages` written as it expects them."""
+        if tools is None:
+            return chat_template_ids(self.model.codec.tokenizer, messages)
+        shown, template = tools.messages(messages)
+        return chat_template_ids(self.model.codec.tokenizer, shown, **template)
+
+    def tool_calling(self, tools: list[Any], tool_choice: object = None) -> ToolCalling:
+        """Tools (OpenAI's shape) and `tool_choice` ("auto", "none", "required" or
+        `{"type": "function", "function": {"name": ...}}`) for this model: pass it to
+        `chat_prompt`, give its `grammar()` to `SamplingParams`, and read the answer with its
+        `reply(text)`. `InvalidRequest` names a bad tool or choice."""
+        return ToolCalling(self.model.codec.tokenizer, tools, tool_choice)
 
     # ---- internals used by RequestStream --------------------------------------------------------
     def _check_running(self) -> None:

@@ -5,6 +5,7 @@ request from the replica our router picks. Every response names its replica in `
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, cast
@@ -24,12 +25,13 @@ from scheduler.serving.http import requests as rq
 from scheduler.serving.http import responses as rs
 from scheduler.serving.http import tokens as tk
 from scheduler.serving.http.access import Access
-from scheduler.serving.http.app import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS, PROMETHEUS
+from scheduler.serving.http.app import DEFAULT_MAX_TOKENS, PROMETHEUS
 from scheduler.serving.http.bodies import read_body
+from scheduler.serving.http.chat import plan_chat
 from scheduler.serving.http.errors import ApiError, from_scheduler, internal, json_response, not_found
 from scheduler.serving.http.errors import shutting_down as closing_error
 from scheduler.serving.http.logprobs import TokenTexts
-from scheduler.serving.http.prompts import Tokenizing, chat_ids
+from scheduler.serving.http.prompts import Tokenizing
 from scheduler.serving.http.sse import EventStream
 from scheduler.streaming.gather import Gather
 from scheduler.types import Chunk
@@ -237,13 +239,10 @@ class Frontend:
         req = rq.decode(await read_body(request, self._body_timeout_s), rq.ChatRequest)
         rq.check_chat(req)
         assert self._prompts is not None  # __call__ waited for _start
-        ids = await chat_ids(self._tokens, self._prompts, rq.chat_messages(req))
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        room = self._context - len(ids)
-        default = min(DEFAULT_CHAT_MAX_TOKENS, room) if room > 0 else DEFAULT_CHAT_MAX_TOKENS
-        job = self._job(rq.request(req, ids, max_tokens, default))
-        render = rs.ChatEvents(self._head(rid), _usage(req), req.n or 1)
-        return await self._run(rid, job, bool(req.stream), render, rs.chat_completion)
+        plan = await plan_chat(req, self._tokens, self._prompts, 0, self._context)
+        render = rs.ChatEvents(self._head(rid), _usage(req), req.n or 1, plan.answer)
+        return await self._run(rid, self._job(plan.job), bool(req.stream), render,
+                               functools.partial(rs.chat_completion, answer=plan.answer))
 
     def _job(self, request: GenRequest) -> Job:
         assert isinstance(request.prompt, list)
@@ -345,8 +344,8 @@ class FrontendPrompts:
         self.context_length = context_length
         self.encode = codec.encode
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return chat_template_ids(self.tokenizer, messages)
+    def chat(self, messages: list[dict[str, Any]], **template: Any) -> list[int]:
+        return chat_template_ids(self.tokenizer, messages, **template)
 
 
 def _usage(req: rq.CompletionRequest | rq.ChatRequest) -> bool:

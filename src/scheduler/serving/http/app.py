@@ -27,6 +27,7 @@ from scheduler.serving.http import responses as rs
 from scheduler.serving.http import tokens as tk
 from scheduler.serving.http.access import Access, AccessMiddleware
 from scheduler.serving.http.bodies import read_body
+from scheduler.serving.http.chat import plan_chat
 from scheduler.serving.http.errors import (
     ApiError,
     from_scheduler,
@@ -35,7 +36,7 @@ from scheduler.serving.http.errors import (
     shutting_down,
 )
 from scheduler.serving.http.logprobs import TokenTexts
-from scheduler.serving.http.prompts import SchedulerPrompts, Tokenizing, chat_ids
+from scheduler.serving.http.prompts import SchedulerPrompts, Tokenizing
 from scheduler.serving.http.shutdown import Gate
 from scheduler.serving.http.sse import ClientGone, event_stream, whole
 
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("scheduler.http")
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI
-DEFAULT_CHAT_MAX_TOKENS = 512  # /v1/chat/completions, as mlx_lm.server; lowered to fit the context
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -206,15 +206,13 @@ class _OpenAI:
         req = rq.decode(await read_body(request, self._limits.body_timeout_s), rq.ChatRequest)
         rq.check_chat(req)
         sched, head = self.sched, self.head(rid)
-        ids = await chat_ids(self.tokens, SchedulerPrompts(sched), rq.chat_messages(req))
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        room = sched.model.info.context_length - len(ids)
-        default = min(DEFAULT_CHAT_MAX_TOKENS, room) if room > 0 else DEFAULT_CHAT_MAX_TOKENS
-        stream = sched.submit(rq.request(req, ids, max_tokens, default, sched.model.info.vocab_size))
+        info, prompts = sched.model.info, SchedulerPrompts(sched)
+        plan = await plan_chat(req, self.tokens, prompts, info.vocab_size, info.context_length)
+        stream = sched.submit(plan.job)
         if req.stream:
-            render = rs.ChatEvents(head, _usage(req), req.n or 1)
+            render = rs.ChatEvents(head, _usage(req), req.n or 1, plan.answer)
             return await event_stream(request, rid, stream, render, req.n or 1)
-        return json_response(rs.chat_completion(head, await whole(request, rid, stream)),
+        return json_response(rs.chat_completion(head, await whole(request, rid, stream), plan.answer),
                              headers={"x-request-id": rid})
 
     async def models(self, request: Request, rid: str) -> Response:

@@ -19,7 +19,7 @@ _PARAMS = frozenset({
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "priority", "prompt",
     "messages", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "penalty_context", "logit_bias", "n", "input", "json_schema", "grammar",
-    "structured",
+    "structured", "tools", "tool_choice",
 })
 # Scheduler names whose request field is spelled otherwise in OpenAI's bodies.
 _FIELD = {"json_schema": "response_format", "structured": "response_format"}

@@ -8,6 +8,7 @@ of more than `context * longest` characters needs more than `context` tokens."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -15,6 +16,7 @@ import structlog
 from jinja2 import TemplateError
 
 from scheduler.errors import InvalidRequest
+from scheduler.request import chat_template_ids
 from scheduler.serving.http.errors import ApiError, invalid
 
 if TYPE_CHECKING:
@@ -46,7 +48,7 @@ class PromptModel(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def chat(self, messages: list[dict[str, Any]], **template: Any) -> list[int]: ...
 
 
 class SchedulerPrompts:
@@ -56,7 +58,9 @@ class SchedulerPrompts:
         self.tokenizer = sched.model.codec.tokenizer
         self.context_length = sched.model.info.context_length
         self.encode = sched.model.codec.encode
-        self.chat = sched.chat_prompt
+
+    def chat(self, messages: list[dict[str, Any]], **template: Any) -> list[int]:
+        return chat_template_ids(self.tokenizer, messages, **template)
 
 
 class Tokenizing:
@@ -91,11 +95,13 @@ class Tokenizing:
             raise InvalidRequest("prompt encodes to no tokens")
         return ids
 
-    async def chat(self, model: PromptModel, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the conversation through the chat template, refused by length first."""
-        chars = sum(len(m["content"]) for m in messages)
+    async def chat(self, model: PromptModel, messages: list[dict[str, Any]], **template: Any) -> list[int]:
+        """Token ids of the conversation through the chat template (with `template`'s extra
+        arguments, such as `tools`), refused by length first."""
+        # Tools shown through the template count too: a huge tool list is refused untokenized.
+        chars = sum(len(m.get("content") or "") for m in messages) + (len(str(template)) if template else 0)
         self.check_chars(model, chars, "messages")
-        return await self._run(model.chat, messages, chars)
+        return await self._run(functools.partial(model.chat, **template), messages, chars)
 
     async def _run(self, fn: Callable[[Any], list[int]], arg: Any, chars: int) -> list[int]:
         if chars <= INLINE_CHARS:
@@ -103,10 +109,12 @@ class Tokenizing:
         return await anyio.to_thread.run_sync(fn, arg, limiter=self._limiter)
 
 
-async def chat_ids(tokens: Tokenizing, model: PromptModel, messages: list[dict[str, str]]) -> list[int]:
+async def chat_ids(
+    tokens: Tokenizing, model: PromptModel, messages: list[dict[str, Any]], **template: Any,
+) -> list[int]:
     """`tokens.chat`, with a chat template's refusal as a 400 that names `messages`."""
     try:
-        return await tokens.chat(model, messages)
+        return await tokens.chat(model, messages, **template)
     except (InvalidRequest, ApiError):
         raise
     except (TemplateError, ValueError, TypeError) as exc:  # templates raise on roles they refuse

@@ -83,6 +83,9 @@ class ContentPart(msgspec.Struct, frozen=True):
 class Message(msgspec.Struct, frozen=True):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatRequest(_Request, kw_only=True, frozen=True):
@@ -91,6 +94,7 @@ class ChatRequest(_Request, kw_only=True, frozen=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 def decode(body: bytes, kind: type[T]) -> T:
@@ -141,8 +145,6 @@ def check_chat(req: ChatRequest) -> None:
     check_common(req)
     if req.top_logprobs and not req.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
-    if req.tools:
-        raise invalid("tools are not supported", "tools")
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
@@ -162,9 +164,10 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
                   "prompt")
 
 
-def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
-    """Messages as the chat template takes them; content parts must be text."""
-    out: list[dict[str, str]] = []
+def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them; content parts must be text. An assistant's
+    `tool_calls` and a tool result's `tool_call_id` and `name` are kept for the template."""
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
         if m.content is None or isinstance(m.content, str):
             content = m.content or ""
@@ -181,10 +184,26 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
         if m.role not in ROLES:
             raise invalid(f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}; "
                           f"got {m.role[:32]!r}", "messages")
-        out.append({"role": m.role, "content": content})
+        message: dict[str, Any] = {"role": m.role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = _tool_calls(m.tool_calls, i)
+        for key in ("tool_call_id", "name"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        out.append(message)
     if not out:
         raise invalid("messages must not be empty", "messages")
     return out
+
+
+def _tool_calls(calls: list[dict[str, Any]], i: int) -> list[dict[str, Any]]:
+    for call in calls:
+        function = call.get("function")
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments", ""), str | dict)):
+            raise invalid(f"messages[{i}].tool_calls: each call needs a function with a name and "
+                          "arguments", "messages")
+    return calls
 
 
 def request(

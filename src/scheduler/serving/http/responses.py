@@ -14,6 +14,7 @@ from scheduler.serving.http.logprobs import (
 )
 
 if TYPE_CHECKING:
+    from scheduler.serving.http.chat import Answer, ToolCallOut
     from scheduler.streaming.gather import Gather
     from scheduler.types import Chunk, TokenLogprob
 
@@ -55,9 +56,11 @@ class TextCompletion(msgspec.Struct, frozen=True, omit_defaults=True):
     usage: Usage | None = None
 
 
-class ChatMessage(msgspec.Struct, frozen=True):
+class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatChoice(msgspec.Struct, frozen=True):
@@ -79,6 +82,8 @@ class ChatCompletion(msgspec.Struct, frozen=True, omit_defaults=True):
 class Delta(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatChunkChoice(msgspec.Struct, frozen=True):
@@ -137,13 +142,20 @@ def completion(head: Head, g: Gather) -> TextCompletion:
                           total_usage(g.finals()))
 
 
-def chat_completion(head: Head, g: Gather) -> ChatCompletion:
+def chat_completion(head: Head, g: Gather, answer: Answer | None = None) -> ChatCompletion:
+    """The whole chat completion; `answer` splits each choice's text into content, reasoning
+    and tool calls."""
     choices = []
     for last in g.finals():
         lps = g.logprobs(last.index)
         rendered = None if lps is None else chat_logprobs(lps, head.texts)
-        message = ChatMessage("assistant", g.text(last.index))
-        choices.append(ChatChoice(last.index, message, last.finish_reason, rendered))
+        finish: str | None = last.finish_reason
+        if answer is None:
+            message = ChatMessage("assistant", g.text(last.index))
+        else:
+            content, reasoning, calls, finish = answer.whole(g.text(last.index), finish)
+            message = ChatMessage("assistant", content, reasoning, calls)
+        choices.append(ChatChoice(last.index, message, finish, rendered))
     return ChatCompletion(head.id, "chat.completion", head.created, head.model, choices,
                           total_usage(g.finals()))
 
@@ -179,15 +191,17 @@ class CompletionEvents:
 class ChatEvents:
     """Renders a chat completion's chunks as `chat.completion.chunk` events; each choice's first
     carries the assistant role, its last the finish reason; usage, when asked, comes in a chunk
-    of its own after every choice has ended."""
+    of its own after every choice has ended. With an `answer`, text is split as it streams:
+    reasoning in `reasoning_content`, and each tool call as one `tool_calls` delta once whole."""
 
-    def __init__(self, head: Head, include_usage: bool, n: int = 1) -> None:
+    def __init__(self, head: Head, include_usage: bool, n: int = 1, answer: Answer | None = None) -> None:
         self._head = head
         self._include_usage = include_usage
         self._first = [True] * n
         self._lps = [_Pending() for _ in range(n)]
         self._finals: list[Chunk] = []
         self._n = n
+        self._answers = None if answer is None else [answer.stream() for _ in range(n)]
 
     def __call__(self, chunk: Chunk) -> list[bytes]:
         h, i = self._head, chunk.index
@@ -195,11 +209,28 @@ class ChatEvents:
         first = self._first[i]
         if not chunk.text and chunk.finish_reason is None and not first:
             return []
-        delta = Delta("assistant" if first else None, chunk.text if chunk.text or first else None)
+        finish: str | None = chunk.finish_reason
+        if self._answers is None:
+            deltas = [Delta(None, chunk.text if chunk.text or first else None)]
+        else:
+            stream = self._answers[i]
+            deltas = [Delta(None, c, r, t) for c, r, t in stream.feed(chunk.text, finish is not None)]
+            if stream.calls and finish == "stop":
+                finish = "tool_calls"
+            if not deltas and (first or finish is not None):
+                deltas = [Delta(None, "" if first else None)]
+            if not deltas:
+                self._lps[i].hold(lps)
+                return []
+        if first:
+            deltas[0] = msgspec.structs.replace(deltas[0], role="assistant")
         self._first[i] = False
         rendered = None if lps is None else chat_logprobs(lps, h.texts)
-        choice = ChatChunkChoice(i, delta, chunk.finish_reason, rendered)
-        out = [_encode(ChatChunk(h.id, "chat.completion.chunk", h.created, h.model, [choice]))]
+        out = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            choice = ChatChunkChoice(i, delta, finish if last else None, rendered if k == 0 else None)
+            out.append(_encode(ChatChunk(h.id, "chat.completion.chunk", h.created, h.model, [choice])))
         if chunk.finish_reason is not None:
             self._finals.append(chunk)
             if len(self._finals) == self._n and self._include_usage:
@@ -225,3 +256,8 @@ class _Pending:
             return None
         self._held = None
         return held
+
+    def hold(self, lps: list[TokenLogprob] | None) -> None:
+        """Keep `lps` for the next event after all (the chunk's text was held back)."""
+        if lps is not None:
+            self._held = lps + (self._held or [])

@@ -1,0 +1,180 @@
+"""Tool calling: tools shown to the real SmolLM2 (its template has no place for them, so in a
+system message), calls forced by `tool_choice` held to the function's schema, and parsed back
+into OpenAI's `tool_calls`, whole and streamed, through the official `openai` client; the
+output splitter and parsers on their own."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+import jsonschema
+import openai
+import pytest
+from mlx_lm.tool_parsers import json_tools, qwen3_coder
+
+from scheduler import SamplingParams, Scheduler
+from scheduler.chat import Markers, ToolCalling
+from scheduler.chat.split import Splitter, split_all
+from scheduler.errors import InvalidRequest
+from scheduler.serving.http.app import create_app
+from tests.test_real_model import real_config
+from tests.test_server import uvicorn_serving
+from workers.loading.named import DEFAULT_MODEL
+
+pytestmark = pytest.mark.anyio
+
+WEATHER: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 40},
+                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city"],
+}
+TIMEZONE: dict[str, Any] = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 40}},
+                            "required": ["timezone"]}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "Get the time in a timezone",
+                                      "parameters": TIMEZONE}},
+]
+ASK: Any = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_forced_calls_through_the_python_api_name_a_tool_with_valid_arguments() -> None:
+    with anyio.fail_after(120):
+        async with Scheduler(real_config()) as s:
+            replies = {}
+            for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+                calling = s.tool_calling(TOOLS, choice)
+                c = await s.complete(s.chat_prompt(ASK, tools=calling),
+                                     SamplingParams(max_tokens=96, temperature=0, grammar=calling.grammar()))
+                replies[str(choice)] = (c, calling.reply(c.text))
+    (c, required), (_, named) = replies.values()
+    assert c.finish_reason == "stop" and required.content == ""
+    [call] = required.tool_calls
+    schema = WEATHER if call.name == "get_weather" else TIMEZONE
+    jsonschema.validate(json.loads(call.arguments), {**schema, "additionalProperties": False})
+    [call] = named.tool_calls
+    assert call.name == "get_time" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), {**TIMEZONE, "additionalProperties": False})
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_openai_client_gets_tool_calls_whole_and_streamed_and_sends_results_back() -> None:
+    with anyio.fail_after(180):
+        async with Scheduler(real_config()) as s, uvicorn_serving(create_app(scheduler=s)) as url:
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            async with client:
+                whole = await client.chat.completions.create(
+                    model=DEFAULT_MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                    max_tokens=96, temperature=0)
+                stream = await client.chat.completions.create(
+                    model=DEFAULT_MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                    max_tokens=96, temperature=0, stream=True)
+                deltas, finishes = [], []
+                async for chunk in stream:
+                    for choice in chunk.choices:
+                        deltas.append(choice.delta)
+                        finishes.append(choice.finish_reason)
+                call = whole.choices[0].message.tool_calls[0]  # type: ignore[index]
+                follow = [*ASK, whole.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'}]
+                answer = await client.chat.completions.create(
+                    model=DEFAULT_MODEL, messages=follow, tools=TOOLS, max_tokens=40, temperature=0)
+                plain = await client.chat.completions.create(
+                    model=DEFAULT_MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=24,
+                    temperature=0)
+                with pytest.raises(openai.BadRequestError) as bad:
+                    await client.chat.completions.create(
+                        model=DEFAULT_MODEL, messages=ASK, tools=[{"type": "function", "function": {"name": "a b"}}],
+                        max_tokens=8)
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and message.content is None
+    assert call.type == "function" and call.function.name in ("get_weather", "get_time")
+    assert isinstance(json.loads(call.function.arguments), dict)
+    streamed = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert len(streamed) == 1 and streamed[0].index == 0
+    assert (streamed[0].function.name, streamed[0].function.arguments) == (call.function.name, call.function.arguments)
+    assert deltas[0].role == "assistant" and finishes[-1] == "tool_calls"
+    assert not any(d.content for d in deltas)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    assert plain.choices[0].message.content and plain.choices[0].finish_reason in ("stop", "length")
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "tools"  # type: ignore[index]
+
+
+def test_the_splitter_holds_markers_cut_across_chunks() -> None:
+    markers = Markers(tool=("<tool_call>", "</tool_call>"), think=("<think>", "</think>"))
+    text = 'Let me see.<think>cities...</think>Sure.<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    whole = split_all(text, markers)
+    assert whole == [("content", "Let me see."), ("reasoning", "cities..."), ("content", "Sure."),
+                     ("tool_call", '\n{"name": "f", "arguments": {}}\n')]
+    for size in (1, 2, 3, 5, 7):  # every cut gives the same parts, and no marker leaks out
+        s = Splitter(markers)
+        parts = [p for i in range(0, len(text), size) for p in s.feed(text[i:i + size])] + s.close()
+        joined: list[tuple[str, str]] = []
+        for kind, piece in parts:
+            if joined and joined[-1][0] == kind and kind != "tool_call":
+                joined[-1] = (kind, joined[-1][1] + piece)
+            else:
+                joined.append((kind, piece))
+        assert joined == whole, size
+    assert split_all("<think>still thinking", markers, reasoning_first=False) == [("reasoning", "still thinking")]
+    assert split_all("x</think>y", markers, reasoning_first=True) == [("reasoning", "x"), ("content", "y")]
+    assert split_all("a < b <tool", markers) == [("content", "a < b <tool")]
+
+
+class _Tokenizer:
+    """mlx-lm's tokenizer attributes for a model whose template takes tools (a fake: what
+    ToolCalling reads of the real `TokenizerWrapper`)."""
+
+    def __init__(self, parser: Any) -> None:
+        self.has_tool_calling, self.has_thinking = True, False
+        self.tool_parser = parser.parse_tool_call
+        self.tool_call_start, self.tool_call_end = parser.tool_call_start, parser.tool_call_end
+
+
+def test_a_models_own_parser_reads_its_calls_and_bad_calls_stay_as_text() -> None:
+    calling = ToolCalling(_Tokenizer(qwen3_coder), TOOLS, "auto")
+    text = ("Checking.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "</function>\n</tool_call>")
+    reply = calling.reply(text)
+    assert reply.content == "Checking."
+    [call] = reply.tool_calls
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    shown, template = calling.messages(ASK)
+    assert shown == ASK and [t["function"]["name"] for t in template["tools"]] == ["get_weather", "get_time"]
+    with pytest.raises(InvalidRequest, match="tool_choice 'required' needs a tool-call format"):
+        ToolCalling(_Tokenizer(qwen3_coder), TOOLS, "required")
+    json_model = ToolCalling(_Tokenizer(json_tools), TOOLS, "required")
+    assert json_model.in_template and json_model.grammar() is not None
+    broken = json_model.reply('<tool_call>{"name": "get_time", "argu')
+    assert broken.tool_calls == [] and broken.content == '<tool_call>{"name": "get_time", "argu</tool_call>'
+
+
+@pytest.mark.parametrize(("tools", "choice", "message"), [
+    ("nope", None, "tools must be a list"),
+    ([{"type": "retrieval", "function": {"name": "f"}}], None, "tools[0].type must be 'function'"),
+    ([TOOLS[0], TOOLS[0]], None, "is given twice"),
+    (TOOLS, "sometimes", "tool_choice must be"),
+    ([], "required", "tool_choice 'required' needs tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}], "required",
+     "tools: a function's parameters cannot be compiled"),
+])
+def test_bad_tools_and_choices_are_refused_naming_them(tools: Any, choice: Any, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ToolCalling(_Tokenizer(json_tools), tools, choice).grammar()
+
+
+def test_earlier_calls_and_results_are_written_out_for_a_template_without_tools() -> None:
+    calling = ToolCalling(object(), TOOLS, "auto")
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+    shown, template = calling.messages(history)
+    assert template == {} and shown[0]["role"] == "system" and "get_weather" in shown[0]["content"]
+    assert shown[2] == {"role": "assistant",
+                        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'}
+    assert shown[3] == {"role": "user", "content": "<tool_response>\n18C\n</tool_response>"}
