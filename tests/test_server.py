@@ -293,7 +293,7 @@ class FailingStream:
 async def test_internal_failures_are_500_with_a_request_id(model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with anyio.fail_after(30):
         async with served(model_cache) as (s, c):
-            monkeypatch.setattr(s, "chat_prompt", lambda messages: 1 / 0)
+            monkeypatch.setattr(s.model.codec.tokenizer, "apply_chat_template", lambda *a, **k: 1 / 0)
             with structlog.testing.capture_logs() as logs:
                 crashed = await c.post("/v1/chat/completions", json={"messages": [HELLO]})
             monkeypatch.setattr(s, "submit", lambda *a, **k: FailingStream())

@@ -178,3 +178,56 @@ def test_earlier_calls_and_results_are_written_out_for_a_template_without_tools(
     assert shown[2] == {"role": "assistant",
                         "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'}
     assert shown[3] == {"role": "user", "content": "<tool_response>\n18C\n</tool_response>"}
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_anthropic_tool_use_and_responses_function_calls_with_the_official_clients() -> None:
+    import anthropic
+
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    functions = [{"type": "function", **t["function"]} for t in TOOLS]
+    with anyio.fail_after(240):
+        async with Scheduler(real_config()) as s, uvicorn_serving(create_app(scheduler=s)) as url:
+            claude = anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0, timeout=60)
+            used = await claude.messages.create(model="m", max_tokens=96, messages=ASK, tools=tools,  # type: ignore[arg-type]
+                                                tool_choice={"type": "any"}, extra_body={"temperature": 0})
+            async with claude.messages.stream(model="m", max_tokens=96, messages=ASK, tools=tools,  # type: ignore[arg-type]
+                                              tool_choice={"type": "tool", "name": "get_time"},
+                                              extra_body={"temperature": 0}) as stream:
+                streamed = await stream.get_final_message()
+            block = next(b for b in used.content if b.type == "tool_use")
+            result = await claude.messages.create(model="m", max_tokens=32, tools=tools, messages=[  # type: ignore[arg-type]
+                *ASK, {"role": "assistant", "content": used.content},  # type: ignore[list-item]
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "18C"}]}],
+                extra_body={"temperature": 0})
+            async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+                called = await client.responses.create(model="m", input="What time is it in Tokyo?", tools=functions,  # type: ignore[arg-type]
+                                                       tool_choice="required", max_output_tokens=96, temperature=0)
+                events = [e async for e in await client.responses.create(
+                    model="m", input="What time is it in Tokyo?", tools=functions, tool_choice="required",  # type: ignore[arg-type]
+                    max_output_tokens=96, temperature=0, stream=True)]
+                call = called.output[0]
+                answered = await client.responses.create(model="m", tools=functions, max_output_tokens=32,  # type: ignore[arg-type]
+                                                         temperature=0, input=[
+                    {"role": "user", "content": "What time is it in Tokyo?"}, call.model_dump(exclude_none=True),  # type: ignore[list-item]
+                    {"type": "function_call_output", "call_id": call.call_id, "output": "09:30"}])  # type: ignore[attr-defined]
+                typed = await client.responses.create(
+                    model="m", input="Describe a person as JSON.", max_output_tokens=96, temperature=0,
+                    text={"format": {"type": "json_schema", "name": "person", "strict": True, "schema": {
+                        "type": "object", "properties": {"name": {"type": "string", "maxLength": 20}},
+                        "required": ["name"], "additionalProperties": False}}})
+    assert used.stop_reason == "tool_use" and block.name in ("get_weather", "get_time")
+    assert block.id.startswith("toolu_") and isinstance(block.input, dict)
+    [tool_block] = [b for b in streamed.content if b.type == "tool_use"]
+    assert streamed.stop_reason == "tool_use" and tool_block.name == "get_time"
+    jsonschema.validate(tool_block.input, {**TIMEZONE, "additionalProperties": False})
+    assert result.content[0].type == "text" and result.content[0].text and result.stop_reason != "tool_use"
+    assert call.type == "function_call" and call.name in ("get_weather", "get_time")  # type: ignore[union-attr]
+    assert isinstance(json.loads(call.arguments), dict)  # type: ignore[union-attr]
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert done.arguments == events[-1].response.output[0].arguments  # type: ignore[union-attr]
+    assert answered.output_text and answered.output[0].type == "message"
+    assert json.loads(typed.output_text)["name"]

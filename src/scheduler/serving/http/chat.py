@@ -100,7 +100,7 @@ async def plan_chat(req: rq.ChatRequest, tokens: Tokenizing, prompts: PromptMode
     calling = None
     if req.tools or req.tool_choice is not None or getattr(tokenizer, "has_thinking", False):
         calling = ToolCalling(tokenizer, req.tools, req.tool_choice)
-    shown, template = calling.messages(messages) if calling is not None else (messages, {})
+    shown, template = shown_to(calling, messages)
     ids = await chat_ids(tokens, prompts, shown, **template)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     room = context - len(ids)
@@ -114,10 +114,17 @@ async def plan_chat(req: rq.ChatRequest, tokens: Tokenizing, prompts: PromptMode
             raise invalid("response_format cannot be combined with a tool_choice that forces a call",
                           "tool_choice")
         job = msgspec.structs.replace(job, params=msgspec.structs.replace(job.params, grammar=grammar))
-    return ChatPlan(job, Answer(calling, _opens_reasoning(tokenizer, ids)))
+    return ChatPlan(job, Answer(calling, opens_reasoning(tokenizer, ids)))
 
 
-def _opens_reasoning(tokenizer: Any, ids: list[int]) -> bool:
+def shown_to(
+    calling: ToolCalling | None, messages: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages, chat-template arguments) with the tools shown, when there are any."""
+    return calling.messages(messages) if calling is not None else (messages, {})
+
+
+def opens_reasoning(tokenizer: Any, ids: list[int]) -> bool:
     """Whether the prompt itself opens the model's reasoning (templates that write `<think>`
     into the generation prompt): the answer then starts inside it."""
     start = getattr(tokenizer, "think_start", None) if getattr(tokenizer, "has_thinking", False) else None

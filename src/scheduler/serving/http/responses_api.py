@@ -1,21 +1,27 @@
 """OpenAI's Responses API (`/v1/responses`) on the same engine: text in (a string, or messages
-with `instructions` as the system turn), text out, whole or streamed as its typed events.
+with `instructions` as the system turn, and earlier function calls and their outputs), text and
+function calls out (through the same `ToolCalling` as chat completions), JSON held to
+`text.format`'s schema, whole or streamed as its typed events (`responses_events`).
 
-Nothing is stored: `previous_response_id` is refused, and so are tools and non-text input."""
+Nothing is stored: `previous_response_id` is refused, and so are non-function tools and non-text
+input."""
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.responses import Response
 
+from scheduler.chat.tools import ToolCalling
+from scheduler.errors import InvalidRequest
 from scheduler.params import SamplingParams
 from scheduler.request import Request
 from scheduler.serving.http import requests as rq
+from scheduler.serving.http.chat import Answer, opens_reasoning, shown_to
 from scheduler.serving.http.errors import ApiError, invalid
 from scheduler.serving.http.prompts import chat_ids
+from scheduler.serving.http.responses_events import Body, ResponseEvents
 from scheduler.serving.http.sse import NamedEvents, event_stream, named_event, whole
 
 if TYPE_CHECKING:
@@ -23,7 +29,6 @@ if TYPE_CHECKING:
 
     from scheduler.engine import EngineClient
     from scheduler.serving.http.prompts import PromptModel, Tokenizing
-    from scheduler.types import Chunk
 
 _encode = msgspec.json.Encoder().encode
 ROLES = frozenset({"user", "assistant", "system", "developer"})
@@ -35,14 +40,32 @@ class Part(msgspec.Struct, frozen=True, kw_only=True):
     text: str | None = None
 
 
-class InputMessage(msgspec.Struct, frozen=True, kw_only=True):
-    role: str
-    content: str | list[Part]
+class InputItem(msgspec.Struct, frozen=True, kw_only=True):
+    """A message (`role`, `content`), or a function call the model made before
+    (`type="function_call"`) or its result (`type="function_call_output"`)."""
+
     type: str | None = None
+    role: str | None = None
+    content: str | list[Part] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+
+class TextFormat(msgspec.Struct, frozen=True, kw_only=True):
+    type: str
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextOptions(msgspec.Struct, frozen=True, kw_only=True):
+    format: TextFormat | None = None
 
 
 class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
-    input: str | list[InputMessage]
+    input: str | list[InputItem]
     model: str | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -50,24 +73,46 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     top_p: float | None = None
     stream: bool | None = None
     user: str | None = None
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    text: TextOptions | None = None
     previous_response_id: str | None = None
     # Extensions, as on the chat endpoint: scheduling priority and session.
     priority: rq.Priority = 0
     session: str | None = None
 
 
-def conversation(req: ResponsesRequest) -> list[dict[str, str]]:
-    out = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
+def conversation(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat template's messages (in chat completions' shape): `instructions` first; earlier
+    function calls join an assistant turn's `tool_calls`, their outputs become `tool` messages."""
+    out: list[dict[str, Any]] = []
+    if req.instructions is not None:
+        out.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
         return [*out, {"role": "user", "content": req.input}]
     if not req.input:
         raise invalid("input must not be empty", "input")
     for i, m in enumerate(req.input):
-        if m.role not in ROLES:
-            raise invalid(f"input[{i}].role must be one of {sorted(ROLES)}, got {m.role!r}", "input")
-        if isinstance(m.content, str):
-            text = m.content
+        if m.type == "function_call":
+            if not (m.call_id and m.name and m.arguments is not None):
+                raise invalid(f"input[{i}]: a function_call needs call_id, name and arguments", "input")
+            function = {"name": m.name, "arguments": m.arguments}
+            call = {"id": m.call_id, "type": "function", "function": function}
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            continue
+        if m.type == "function_call_output":
+            if not m.call_id or m.output is None:
+                raise invalid(f"input[{i}]: a function_call_output needs call_id and output", "input")
+            out.append({"role": "tool", "tool_call_id": m.call_id, "content": m.output})
+            continue
+        if m.type not in (None, "message") or m.role not in ROLES:
+            raise invalid(f"input[{i}] must be a message with a role in {sorted(ROLES)}, a function_call "
+                          f"or a function_call_output; got type {m.type!r}, role {m.role!r}", "input")
+        if m.content is None or isinstance(m.content, str):
+            text = m.content or ""
         else:
             bad = [p.type for p in m.content if p.type not in ("input_text", "output_text") or p.text is None]
             if bad:
@@ -77,72 +122,36 @@ def conversation(req: ResponsesRequest) -> list[dict[str, str]]:
     return out
 
 
-class Body:
-    """The `response` object at each stage: in progress, then completed or incomplete."""
-
-    def __init__(self, rid: str, model: str, req: ResponsesRequest) -> None:
-        self.id, self.item_id = f"resp_{rid}", f"msg_{rid}"
-        self._base: dict[str, Any] = {
-            "id": self.id, "object": "response", "created_at": int(time.time()), "model": model,
-            "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p,
-            "error": None, "incomplete_details": None,
-        }
-
-    def part(self, text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-    def item(self, text: str | None) -> dict[str, Any]:
-        return {"id": self.item_id, "type": "message", "role": "assistant",
-                "status": "in_progress" if text is None else "completed",
-                "content": [] if text is None else [self.part(text)]}
-
-    def pending(self) -> dict[str, Any]:
-        return {**self._base, "status": "in_progress", "output": []}
-
-    def final(self, text: str, last: Chunk) -> dict[str, Any]:
-        cut = last.finish_reason == "length"
-        usage = {"input_tokens": last.prompt_tokens, "output_tokens": last.completion_tokens,
-                 "total_tokens": last.prompt_tokens + last.completion_tokens,
-                 "input_tokens_details": {"cached_tokens": last.cached_tokens, "cache_write_tokens": 0},
-                 "output_tokens_details": {"reasoning_tokens": 0}}
-        return {**self._base, "status": "incomplete" if cut else "completed",
-                "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-                "output": [self.item(text)], "usage": usage}
+def tool_calling(tokenizer: Any, req: ResponsesRequest) -> ToolCalling | None:
+    """The request's function tools as chat completions' (None: plain text, no reasoning)."""
+    if not req.tools and req.tool_choice is None and not getattr(tokenizer, "has_thinking", False):
+        return None
+    functions = []
+    for i, tool in enumerate(req.tools or []):
+        if tool.get("type") != "function":
+            kind = str(tool.get("type"))[:40]
+            raise invalid(f"tools[{i}]: only function tools are supported, got {kind!r}", "tools")
+        keys = ("name", "description", "parameters", "strict")
+        spec = {k: tool[k] for k in keys if tool.get(k) is not None}
+        functions.append({"type": "function", "function": spec})
+    choice: object = req.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    try:
+        return ToolCalling(tokenizer, functions, choice)
+    except InvalidRequest as exc:
+        raise invalid(str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from None
 
 
-class ResponseEvents:
-    """The typed event stream of one text response, each with its `sequence_number`."""
-
-    def __init__(self, body: Body) -> None:
-        self._body = body
-        self._seq = 0
-        self._text: list[str] = []
-
-    def _event(self, kind: str, **fields: Any) -> bytes:
-        data = {"type": kind, "sequence_number": self._seq, **fields}
-        self._seq += 1
-        return named_event(kind, _encode(data))
-
-    def __call__(self, chunk: Chunk) -> list[bytes]:
-        b, out = self._body, []
-        where = {"item_id": b.item_id, "output_index": 0, "content_index": 0}
-        if self._seq == 0:
-            out += [self._event("response.created", response=b.pending()),
-                    self._event("response.in_progress", response=b.pending()),
-                    self._event("response.output_item.added", output_index=0, item=b.item(None)),
-                    self._event("response.content_part.added", part=b.part(""), **where)]
-        if chunk.text:
-            self._text.append(chunk.text)
-            out.append(self._event("response.output_text.delta", delta=chunk.text, logprobs=[], **where))
-        if chunk.finish_reason is not None:
-            text = "".join(self._text)
-            out += [self._event("response.output_text.done", text=text, logprobs=[], **where),
-                    self._event("response.content_part.done", part=b.part(text), **where),
-                    self._event("response.output_item.done", output_index=0, item=b.item(text)),
-                    self._event("response.completed", response=b.final(text, chunk))]
-        return out
+def schema(req: ResponsesRequest) -> dict[str, Any] | None:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.type == "json_schema" and fmt.schema is not None:
+        return fmt.schema
+    raise invalid("text.format must be text, json_object, or json_schema with a schema", "text")
 
 
 class ResponsesDialect(NamedEvents):
@@ -162,22 +171,28 @@ async def respond(
     if req.previous_response_id is not None:
         raise invalid("previous_response_id is not supported: responses are not stored; send the "
                       "whole conversation as input", "previous_response_id")
-    if req.tools:
-        raise invalid("tools are not supported yet", "tools")
     if req.temperature is not None and req.temperature > rq.MAX_TEMPERATURE:
         raise invalid(f"temperature must be between 0 and {rq.MAX_TEMPERATURE:g}", "temperature")
-    ids = await chat_ids(tokens, model, conversation(req))
+    calling = tool_calling(model.tokenizer, req)
+    shown, template = shown_to(calling, conversation(req))
+    ids = await chat_ids(tokens, model, shown, **template)
     room = model.context_length - len(ids)
     default = min(DEFAULT_MAX_OUTPUT_TOKENS, room) if room > 0 else DEFAULT_MAX_OUTPUT_TOKENS
+    grammar = calling.grammar() if calling is not None else None
+    json_schema = schema(req)
+    if grammar is not None and json_schema is not None:
+        raise invalid("text.format cannot be combined with a tool_choice that forces a call", "tool_choice")
     params = SamplingParams(
         max_tokens=default if req.max_output_tokens is None else req.max_output_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p)
+        top_p=1.0 if req.top_p is None else req.top_p, json_schema=json_schema, grammar=grammar)
     stream = sched.submit(Request(prompt=ids, params=params, priority=req.priority,
                                   tenant=req.user or "default", session=req.session))
-    shape = Body(rid.split("-", 1)[-1], model_name, req)
+    answer = None if calling is None else Answer(calling, opens_reasoning(model.tokenizer, ids))
+    shape = Body(rid.split("-", 1)[-1], model_name, req, calling)
     if req.stream:
-        return await event_stream(request, rid, stream, ResponseEvents(shape), dialect=ResponsesDialect())
+        events = ResponseEvents(shape, answer)
+        return await event_stream(request, rid, stream, events, dialect=ResponsesDialect())
     gathered = await whole(request, rid, stream)
-    final = shape.final(gathered.text(), gathered.finals()[0])
+    final = shape.final(shape.items(gathered.text(), answer), gathered.finals()[0])
     return Response(_encode(final), media_type="application/json", headers={"x-request-id": rid})
