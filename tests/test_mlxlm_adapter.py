@@ -76,6 +76,7 @@ def test_a_missing_field_is_reported_by_its_name() -> None:
     assert missing_generator_fields(gen) == [
         "BatchGenerator._unprocessed_sequences",
         "GenerationBatch.prompt_cache",
+        "GenerationBatch._current_tokens",
     ]
     assert set(missing_private_fields(SimpleNamespace())) <= set(PRIVATE_FIELDS)
 
@@ -87,7 +88,7 @@ class _OldDetokenizer:
 
 def test_a_missing_hook_or_helper_is_reported_by_its_name() -> None:
     whole = SimpleNamespace(
-        _generation_batch=SimpleNamespace(uids=[], prompt_cache=[]),
+        _generation_batch=SimpleNamespace(uids=[], prompt_cache=[], _current_tokens=None),
         _prompt_batch=[],
         _unprocessed_sequences=[],
         _counters=SimpleNamespace(prompt_tokens=0),

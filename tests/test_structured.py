@@ -20,7 +20,8 @@ from scheduler.serving.http.app import create_app
 from tests.test_real_model import real_config
 from tests.test_server import uvicorn_serving
 from workers.batching.grammar import (
-    GrammarProcessor,
+    GrammarRow,
+    GrammarRows,
     GrammarTokenizer,
     grammar_tokenizer,
     json_schema_grammar,
@@ -173,30 +174,58 @@ def grammar_tok() -> GrammarTokenizer:
     return tok
 
 
-def allowed(processor: GrammarProcessor, context: list[int], width: int) -> list[int]:
-    out = processor(mx.array(context), mx.zeros((1, width)))
+class Steps:
+    """Decode steps as `GrammarRows` sees them: the decoding rows and each step's input tokens."""
+
+    def __init__(self, uids: list[int], first: list[int]) -> None:
+        self.uids, self.inputs = uids, mx.array(first)
+
+    def __call__(self) -> tuple[list[int], mx.array]:
+        return self.uids, self.inputs
+
+    def feed(self, tokens: list[int]) -> None:
+        self.inputs = mx.array(tokens)  # a new step: a new input array
+
+
+def allowed(row: GrammarRow, width: int) -> list[int]:
+    out = row(mx.array([0]), mx.zeros((1, width)))
     return [i for i, ok in enumerate((out[0] > -1e9).tolist()) if ok]
 
 
-def test_a_preempted_rows_grammar_resumes_where_its_tokens_left_it(grammar_tok: GrammarTokenizer) -> None:
-    """A row re-admitted after preemption replays what it generated; its next mask is the one
-    the row had when it stopped. Padding ids past the vocabulary are never allowed."""
+def test_grammar_rows_step_together_and_a_preempted_row_resumes_where_it_left(
+        grammar_tok: GrammarTokenizer) -> None:
+    """Two rows in one batch each follow their own tokens; a row re-admitted after preemption
+    replays what it generated and gets the mask it had when it stopped. Padding ids past the
+    vocabulary are never allowed; a new row's first step, taken before it joins the decoding
+    rows, gets its first mask."""
     hf = grammar_tok._hf
     grammar = json_schema_grammar(PERSON)
     generated = hf.encode('{"name": "Ada", "age": 3', add_special_tokens=False)
-    prompt = [1, 2, 3]
-    stepwise = GrammarProcessor(grammar_tok, grammar)
-    context = list(prompt)
-    first = allowed(stepwise, context, grammar_tok.vocab_size)
-    for t in generated:
-        assert t in allowed(stepwise, context, grammar_tok.vocab_size)
-        context.append(t)
-    after = allowed(stepwise, context, grammar_tok.vocab_size)
-    resumed = GrammarProcessor(grammar_tok, grammar, replay=generated)
-    assert allowed(resumed, prompt + generated, grammar_tok.vocab_size) == after
-    assert hf.decode(first) == '{"'
-    assert {hf.decode([t]) for t in after} >= {"0", "5", ","}
-    assert all(t < 49152 for t in after)
+    other = hf.encode('{"name": "Bob"', add_special_tokens=False)
+    steps = Steps([10, 11], [1, 1])  # the first step feeds each row its last prompt token
+    rows = GrammarRows(grammar_tok, steps)
+    a, b = rows.row(grammar), rows.row(grammar)
+    rows.bind(10, a)
+    rows.bind(11, b)
+    width = grammar_tok.vocab_size
+    first = allowed(a, width)
+    assert first == allowed(b, width) and hf.decode(first) == '{"'
+    for k, t in enumerate(generated):
+        ok_a, ok_b = allowed(a, width), allowed(b, width)
+        u = other[k] if k < len(other) else ok_b[0]
+        assert t in ok_a and u in ok_b
+        steps.feed([t, u])
+    after = allowed(a, width)
+    assert {hf.decode([t]) for t in after} >= {"0", "5", ","} and all(t < 49152 for t in after)
+    resumed_steps = Steps([12], [generated[-1]])
+    resumed_rows = GrammarRows(grammar_tok, resumed_steps)
+    resumed = resumed_rows.row(grammar, replay=generated)
+    resumed_rows.bind(12, resumed)
+    assert allowed(resumed, width) == after
+    fresh = rows.row(grammar)  # mlx-lm steps new rows once before they join the decoding rows
+    rows.bind(99, fresh)
+    assert allowed(fresh, width) == first
+    assert allowed(rows.row(grammar), width) == [grammar_tok.eos]  # never bound to a row
 
 
 def test_a_tokenizer_the_engine_cannot_read_is_reported_not_used() -> None:

@@ -17,10 +17,11 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_samp
 
 from workers.batching.budget import PrefillBudget
 from workers.batching.cachekinds import cache_support, trimmable
+from workers.batching.grammar import GrammarRows
 from workers.batching.kvstore import KVStore, LayerKV, common_prefix
 from workers.batching.logits import Wanted, processors
 from workers.batching.maskfree import MaskFreeDecode
-from workers.batching.mlxlm import generation_batch, prompt_tokens_done, queue_sizes
+from workers.batching.mlxlm import current_inputs, generation_batch, prompt_tokens_done, queue_sizes
 from workers.messages import Admit, Key, Logprobs, SamplingSpec
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ class MLXEngine:
         grammar: GrammarTokenizer | None = None,
     ) -> None:
         self._vocab_size = vocab_size
-        self._grammar = grammar
+        self._grammar = None if grammar is None else GrammarRows(grammar, self._decoding_inputs)
         # Sessions need caches mlx-lm can extract and re-insert; prefix blocks need plain KVCaches.
         self.support = cache_support(make_prompt_cache(model))
         self._store = KVStore(block_tokens) if self.support.sessions else None
@@ -166,6 +167,11 @@ class MLXEngine:
         self._logprobs_of: dict[int, int] = {}
         """Rows that asked for log-probabilities: how many of the likeliest tokens to list."""
         self._stops: dict[tuple[int, ...], StopSequences] = {}
+
+    def _decoding_inputs(self) -> tuple[list[int], mx.array | None]:
+        """The decoding rows' uids and the tokens this step feeds them (for the grammar rows)."""
+        batch = generation_batch(self._gen)
+        return batch.uids, current_inputs(batch)
 
     def _sampler(self, spec: SamplingSpec, skip: int = 0) -> Sampler | None:
         if spec.top_k >= self._vocab_size:
@@ -221,17 +227,19 @@ class MLXEngine:
         if not admits:
             return
         starts = [self._start(a) for a in admits]
+        made = [processors(a, self._grammar) for a in admits]
         uids = self._gen.insert(
             [p for p, _, _ in starts],
             max_tokens=[a.max_tokens for a in admits],
             caches=[c for _, c, _ in starts] if any(c is not None for _, c, _ in starts) else None,
             all_tokens=[t for _, _, t in starts],
             samplers=cast("Any", [self._sampler(a.sampling, a.sampled) for a in admits]),
-            logits_processors=[processors(a, self._grammar) for a in admits]
-            if any(a.processing is not None for a in admits) else None,
+            logits_processors=[p for p, _ in made] if any(p is not None for p, _ in made) else None,
             stop_sequences=[self._stop(a.stop_token_ids) for a in admits],
         )
-        for uid, admit, (rest, _, _) in zip(uids, admits, starts, strict=True):
+        for uid, admit, (rest, _, _), (_, row) in zip(uids, admits, starts, made, strict=True):
+            if row is not None and self._grammar is not None:
+                self._grammar.bind(uid, row)
             self._rid_of[uid] = admit.rid
             self._uid_of[admit.rid] = uid
             if admit.logprobs >= 0:
@@ -300,6 +308,8 @@ class MLXEngine:
             self._gen.remove(uids)
             for uid in uids:
                 del self._rid_of[uid]
+            if self._grammar is not None:
+                self._grammar.forget(uids)
 
     def step(self) -> StepResult:
         gen = self._gen
@@ -343,6 +353,8 @@ class MLXEngine:
                 logprobs_of.pop(rid, None)
                 del self._rid_of[r.uid]
                 del self._uid_of[rid]
+                if self._grammar is not None:
+                    self._grammar.forget((r.uid,))
                 session = self._session_of.pop(rid, None)
                 if session is not None and self._store is not None:
                     kept = self._keep_session(session, r.prompt_cache, r.all_tokens)
@@ -378,3 +390,5 @@ class MLXEngine:
         self._store_plan.clear()
         self._session_of.clear()
         self._logprobs_of.clear()
+        if self._grammar is not None:
+            self._grammar.clear()

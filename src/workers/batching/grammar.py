@@ -1,11 +1,11 @@
 """Structured output: a row's tokens held to a grammar, as an mlx-lm logits processor.
 
 The grammar engine is llguidance (chosen by `benchmarks/grammar_engines.py`: a small wheel with no
-dependencies on every platform we serve; xgrammar masks faster but needs torch). A row's matcher
-lives in its processor, which mlx-lm calls on the worker thread once per step with the row's
-tokens so far: the processor feeds the matcher the token sampled since its last call, asks it which
-tokens may come next, and sets every other logit to -inf. When the grammar is complete only EOS
-is allowed, so the row ends by itself.
+dependencies on every platform we serve; xgrammar masks faster but needs torch). Each row's
+matcher sits in `GrammarRows`, which masks all of a step's grammar rows together on the worker
+thread (see there); a row's processor, which mlx-lm calls once per step, sets every logit its
+grammar rules out to -inf. When the grammar is complete only EOS is allowed, so the row ends by
+itself.
 
 Grammars arrive as llguidance's JSON grammar text (`json_schema_grammar`), checked where the
 request is made (`grammar_problem`), so a schema the engine cannot compile is refused with its
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -83,10 +83,10 @@ class GrammarTokenizer:
         return ids // 32, ids % 32
 
     def unpack(self, words: np.ndarray) -> mx.array:
-        """A bitmask of `words` 32-bit words as one bool per vocabulary entry."""
+        """Bitmasks of 32-bit words (the last axis) as one bool per vocabulary entry."""
         word, bit = self._layout
-        packed = mx.array(words.view(np.uint32))
-        return ((packed[word] >> bit) & 1).astype(mx.bool_)
+        packed = mx.array(words.astype(np.uint32, copy=False))
+        return ((mx.take(packed, word, axis=-1) >> bit) & 1).astype(mx.bool_)
 
 
 def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int) -> tuple[GrammarTokenizer | None, str]:
@@ -104,58 +104,142 @@ def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int) -> tuple[GrammarTokeni
     return GrammarTokenizer(hf_tokenizer, vocab_size), ""
 
 
-class GrammarProcessor:
-    """One row's grammar. `replay`: tokens the row generated before it was preempted, which the
-    matcher accepts before the first step. A grammar that fails (it cannot compile for this
-    tokenizer, or the engine errs) leaves the row only EOS, and the reason in the log."""
+class _Row:
+    """One row's matcher. `started`: its first step has run (that step's input is the last
+    prompt token, not an output)."""
 
-    def __init__(self, tok: GrammarTokenizer, grammar: str, replay: list[int] | tuple[int, ...] = ()) -> None:
+    def __init__(self, tok: GrammarTokenizer, grammar: str, replay: list[int] | tuple[int, ...]) -> None:
         import llguidance
 
-        self._tok = tok
-        self._mask = np.zeros(tok.words, dtype=np.int32)
-        self._seen = -1
-        """The length of the row's token context at the last call (-1: no call yet)."""
-        self._matcher: Any = None
+        self.matcher: Any = None
+        self.started = False
         try:
-            self._matcher = llguidance.LLMatcher(tok.tokenizer, grammar, log_level=0)
-        except Exception as e:
-            self._fail(f"{type(e).__name__}: {e}")
+            self.matcher = llguidance.LLMatcher(tok.tokenizer, grammar, log_level=0)
+        except Exception as e:  # the tokenizer could not be built: the row can only end
+            self.fail(f"{type(e).__name__}: {e}")
             return
         if replay:
-            self._matcher.consume_tokens(list(replay))
-        self._check()
+            self.matcher.consume_tokens(list(replay))
+        self.check()
 
-    @property
-    def failed(self) -> bool:
-        return self._matcher is None
-
-    def _fail(self, error: str) -> None:
+    def fail(self, error: str) -> None:
         log.warning("grammar_failed", error=error[:300])
-        self._matcher = None
+        self.matcher = None
 
-    def _check(self) -> None:
-        if self._matcher is not None and self._matcher.is_error():
-            self._fail(self._matcher.get_error())
+    def check(self) -> None:
+        if self.matcher is not None and self.matcher.is_error():
+            self.fail(self.matcher.get_error())
+
+    def accept(self, token: int) -> None:
+        # A stopped matcher (its grammar complete) has let only EOS through; the row ends on it,
+        # and the step that samples it may still run once more.
+        if self.matcher is not None and not self.matcher.is_stopped():
+            self.matcher.consume_token(token)
+            self.check()
+
+
+class GrammarRows:
+    """The grammar rows of one batch, masked together: at each decode step the first row's
+    processor call reads the step's input tokens once (one sync), feeds each matcher the token it
+    sampled, computes every row's mask in one call that runs on the grammar engine's threads
+    with the GIL released, and unpacks them on the device at once; each row then only selects
+    its mask. `inputs()` gives the decoding rows' uids and the step's input tokens (mlx-lm's
+    generation batch, through the adapter)."""
+
+    def __init__(self, tok: GrammarTokenizer, inputs: Any) -> None:
+        self.tok = tok
+        self._inputs = inputs
+        self._rows: dict[int, _Row] = {}
+        self._last: Any = None
+        """The input-token array the current masks were made for."""
+        self._masks: mx.array | None = None
+        self._at: dict[int, int] = {}
+        self._executor: Any = None
+
+    def row(self, grammar: str, replay: list[int] | tuple[int, ...] = ()) -> GrammarRow:
+        """A processor for a new row; `bind` it to its uid once the generator gives one."""
+        return GrammarRow(self, _Row(self.tok, grammar, replay))
+
+    def bind(self, uid: int, row: GrammarRow) -> None:
+        row.uid = uid
+        self._rows[uid] = row.state
+
+    def forget(self, uids: list[int] | tuple[int, ...]) -> None:
+        for uid in uids:
+            self._rows.pop(uid, None)
+
+    def clear(self) -> None:
+        self._rows.clear()
+        self._last = self._masks = None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def mask(self, uid: int, context: mx.array) -> mx.array:
+        """Row `uid`'s mask for this step, shape (1, vocabulary); `context`: the row's tokens
+        so far, read only on the rare step the batch cannot give its input."""
+        row = self._rows.get(uid)
+        if row is None:  # not a bound grammar row: only EOS
+            return self._eos_only()
+        uids, inputs = self._inputs()
+        if uid not in uids:
+            # mlx-lm steps a batch of new rows once as it makes it, before they join the
+            # decoding rows: that step's input is the last prompt token, nothing to accept.
+            if row.started:
+                row.accept(cast("int", context[-1].item()))
+            row.started = True
+            return self._fill([row])
+        if inputs is None or inputs is not self._last:
+            self._step(uids, inputs)
+        k = self._at.get(uid)
+        return self._eos_only() if k is None or self._masks is None else self._masks[k : k + 1]
+
+    def _eos_only(self) -> mx.array:
+        return (mx.arange(self.tok.vocab_size) == self.tok.eos)[None]
+
+    def _step(self, uids: list[int], inputs: mx.array | None) -> None:
+        self._last = inputs
+        tokens = cast("list[int]", inputs.tolist()) if inputs is not None else []
+        live = [(uid, self._rows[uid], tokens[i]) for i, uid in enumerate(uids) if uid in self._rows]
+        for _, row, token in live:
+            if row.started:
+                row.accept(int(token))
+            row.started = True
+        self._masks = self._fill([row for _, row, _ in live])
+        self._at = {uid: k for k, (uid, _, _) in enumerate(live)}
+
+    def _fill(self, rows: list[_Row]) -> mx.array:
+        """The rows' masks, one per row, computed together on the engine's threads."""
+        import llguidance
+
+        words = np.zeros((max(len(rows), 1), self.tok.words), dtype=np.uint32)
+        ok = [(row.matcher, k) for k, row in enumerate(rows) if row.matcher is not None]
+        if ok:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            self._executor.unsafe_compute_mask_ptr(ok, words.ctypes.data, words.shape[1] * 4, words.shape[0])
+        for k, row in enumerate(rows):
+            if row.matcher is None:
+                words[k, self.tok.eos // 32] = 1 << (self.tok.eos % 32)
+        return self.tok.unpack(words)
+
+
+class GrammarRow:
+    """One row's logits processor (mlx-lm's `processor(tokens, logits)`): every logit its
+    grammar rules out becomes -inf."""
+
+    def __init__(self, rows: GrammarRows, state: _Row) -> None:
+        self._rows = rows
+        self.state = state
+        self.uid = -1
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        n = int(tokens.size)
-        # A stopped matcher (its grammar complete) has let only EOS through; the row ends on it,
-        # and the step that samples it may still run this processor once more.
-        if self._matcher is not None and 0 <= self._seen < n and not self._matcher.is_stopped():
-            self._matcher.consume_tokens(tokens[self._seen:].tolist())
-            self._check()
-        self._seen = n
-        if self._matcher is None:
-            allowed = mx.arange(self._tok.vocab_size) == self._tok.eos
-        else:
-            self._matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
-            allowed = self._tok.unpack(self._mask)
-        width = logits.shape[-1]
-        if width > self._tok.vocab_size:  # logits wider than the vocabulary: padding ids stay out
-            allowed = mx.concatenate([allowed, mx.zeros(width - self._tok.vocab_size, dtype=mx.bool_)])
-        elif width < self._tok.vocab_size:
-            allowed = allowed[:width]
+        allowed = self._rows.mask(self.uid, tokens)
+        width, vocab = logits.shape[-1], self._rows.tok.vocab_size
+        if width > vocab:  # logits wider than the vocabulary: padding ids stay out
+            allowed = mx.concatenate([allowed, mx.zeros((1, width - vocab), dtype=mx.bool_)], axis=-1)
+        elif width < vocab:
+            allowed = allowed[:, :width]
         return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
 

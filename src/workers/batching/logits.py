@@ -12,20 +12,20 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
-from workers.batching.grammar import GrammarProcessor
 from workers.messages import Logprobs
 
 if TYPE_CHECKING:
-    from workers.batching.grammar import GrammarTokenizer
+    from workers.batching.grammar import GrammarRow, GrammarRows
     from workers.messages import Admit
 
 
-def processors(admit: Admit, grammar: GrammarTokenizer | None) -> list[Any] | None:
-    """mlx-lm logits processors for one row (None: the row has none). The grammar's mask comes
-    last, so no bias or penalty can bring back a token it rules out."""
+def processors(admit: Admit, grammar: GrammarRows | None) -> tuple[list[Any] | None, GrammarRow | None]:
+    """mlx-lm logits processors for one row (None: the row has none), and its grammar's
+    processor if it has one (to bind to the row's uid). The grammar's mask comes last, so no
+    bias or penalty can bring back a token it rules out."""
     spec = admit.processing
     if spec is None:
-        return None
+        return None, None
     made = make_logits_processors(
         logit_bias=dict(spec.logit_bias) or None,
         repetition_penalty=None if spec.repetition_penalty == 1.0 else spec.repetition_penalty,
@@ -35,12 +35,14 @@ def processors(admit: Admit, grammar: GrammarTokenizer | None) -> list[Any] | No
         frequency_penalty=spec.frequency_penalty or None,
         frequency_context_size=spec.context,
     )
+    row = None
     if spec.grammar is not None:
         if grammar is None:  # the scheduler refuses such requests; this is a second line
             raise ValueError("a row asks for a grammar, but this model has no grammar tokenizer")
         replay = admit.prompt[len(admit.prompt) - admit.sampled:] if admit.sampled else []
-        made.append(GrammarProcessor(grammar, spec.grammar, replay))
-    return made or None
+        row = grammar.row(spec.grammar, replay)
+        made.append(row)
+    return made or None, row
 
 
 class Wanted:

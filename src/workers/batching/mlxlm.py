@@ -24,6 +24,7 @@ PRIVATE_FIELDS: dict[str, str] = {
     "BatchGenerator._counters.prompt_tokens": "prompt tokens prefilled so far: each step's prefill count",
     "GenerationBatch.uids": "which row is which request",
     "GenerationBatch.prompt_cache": "the rows' caches: a finished prompt's KV blocks",
+    "GenerationBatch._current_tokens": "the tokens a decode step feeds its rows: grammar rows' matchers",
     "BPEStreamingDetokenizer._maybe_trim_space(text)": "replaced so generated text keeps its first space",
     "mlx_lm.utils._get_classes": "an architecture's model classes: a synthetic model's parameter shapes",
 }
@@ -39,6 +40,13 @@ class QueueSizes(NamedTuple):
 def generation_batch(gen: Any) -> Any:
     """The generator's decoding rows (`uids`, `prompt_cache`)."""
     return gen._generation_batch
+
+
+def current_inputs(batch: Any) -> Any:
+    """The tokens the decode step being built feeds the decoding rows (one per row, in `uids`
+    order: each row's last sampled token, or its last prompt token on its first step); None
+    before the first step."""
+    return batch._current_tokens
 
 
 def queue_sizes(gen: Any) -> QueueSizes:
@@ -86,6 +94,8 @@ def missing_generator_fields(gen: Any) -> list[str]:
         for name in ("uids", "prompt_cache"):
             if not isinstance(getattr(batch, name, None), list):
                 missing.append(f"GenerationBatch.{name}")
+        if not hasattr(batch, "_current_tokens"):
+            missing.append("GenerationBatch._current_tokens")
     return missing
 
 
