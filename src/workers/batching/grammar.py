@@ -175,9 +175,10 @@ class GrammarRows:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def mask(self, uid: int, context: mx.array) -> mx.array:
+    def mask(self, uid: int, context: mx.array, logits: mx.array) -> mx.array:
         """Row `uid`'s mask for this step, shape (1, vocabulary); `context`: the row's tokens
-        so far, read only on the rare step the batch cannot give its input."""
+        so far, read only on the rare step the batch cannot give its input; `logits`: the row's
+        logits, whose forward pass is started before the step's inputs are read."""
         row = self._rows.get(uid)
         if row is None:  # not a bound grammar row: only EOS
             return self._eos_only()
@@ -190,6 +191,9 @@ class GrammarRows:
             row.started = True
             return self._fill([row])
         if inputs is None or inputs is not self._last:
+            # Reading the inputs waits for the step that sampled them; queue this step's forward
+            # pass first, so the device runs it while the masks are computed here.
+            mx.async_eval(logits)  # type: ignore[no-untyped-call]
             self._step(uids, inputs)
         k = self._at.get(uid)
         return self._eos_only() if k is None or self._masks is None else self._masks[k : k + 1]
@@ -234,7 +238,7 @@ class GrammarRow:
         self.uid = -1
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        allowed = self._rows.mask(self.uid, tokens)
+        allowed = self._rows.mask(self.uid, tokens, logits)
         width, vocab = logits.shape[-1], self._rows.tok.vocab_size
         if width > vocab:  # logits wider than the vocabulary: padding ids stay out
             allowed = mx.concatenate([allowed, mx.zeros((1, width - vocab), dtype=mx.bool_)], axis=-1)
