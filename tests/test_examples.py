@@ -4,6 +4,7 @@ FastAPI app served in-process by uvicorn so the test can be its client."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -109,3 +110,20 @@ def test_chat_session_example_reuses_the_conversation(model_cache: Path) -> None
     assert "session hits: 3 of 3 follow-up turns" in out
     rows = re.findall(r"^\s+\d+\s+\d+\s+[\d.]+ ms\s+[\d.]+ ms\s+(True|False)$", out, re.MULTILINE)
     assert rows == ["True"] * 4, out  # the same replies with and without the session
+
+
+def test_agent_example_calls_a_tool_and_extracts_json_on_the_real_model() -> None:
+    # The real model lives in the user's model cache, as test_real_model's do: no fresh copy.
+    env = {**example_env(Path()), "MLX_SCHEDULER_CACHE": os.environ.get("MLX_SCHEDULER_CACHE", "")}
+    if not env["MLX_SCHEDULER_CACHE"]:
+        del env["MLX_SCHEDULER_CACHE"]
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "agent.py")], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    call = re.search(r"^tool call: get_weather\((\{.*\})\)$", proc.stdout, re.MULTILINE)
+    assert call is not None and "city" in json.loads(call[1]), proc.stdout
+    answer = re.search(r"^answer: (.+)$", proc.stdout, re.MULTILINE)
+    assert answer is not None and len(answer[1].split()) >= 3, proc.stdout
+    record = re.search(r"^record: (.+)$", proc.stdout, re.MULTILINE)
+    assert record is not None
+    assert set(json.loads(record[1])) == {"city", "country", "famous_for"}

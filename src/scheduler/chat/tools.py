@@ -117,6 +117,7 @@ class ToolCalling:
     the parsing of what came back."""
 
     def __init__(self, tokenizer: Any, tools: list[Any] | None, choice: object = None) -> None:
+        self._tokenizer = tokenizer
         self.tools = check_tools(tools or [])
         self.choice = check_choice(choice, self.tools)
         parser = getattr(tokenizer, "tool_parser", None)
@@ -150,7 +151,8 @@ class ToolCalling:
         if self.in_template:
             out = [_template_message(m) for m in messages]
             return out, ({"tools": functions} if self.active else {})
-        out = [_plain_message(m) for m in messages]
+        tool_role = _takes_tool_role(self._tokenizer) if any(m["role"] == "tool" for m in messages) else False
+        out = [_plain_message(m, tool_role) for m in messages]
         if self.active:
             listed = "\n".join(json.dumps(f["function"], ensure_ascii=False) for f in functions)
             system = _SYSTEM.format(tools=listed)
@@ -259,8 +261,21 @@ def _template_message(m: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _plain_message(m: dict[str, Any]) -> dict[str, Any]:
-    """A message for a template that knows no tools: calls and results written out as text."""
+def _takes_tool_role(tokenizer: Any) -> bool:
+    """Whether the chat template renders a `tool` message (ChatML ones do; templates that hold
+    to user/assistant turns raise)."""
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "tool", "content": "r"}],
+                                      tokenize=False)
+    except Exception:
+        return False
+    return True
+
+
+def _plain_message(m: dict[str, Any], tool_role: bool) -> dict[str, Any]:
+    """A message for a template that knows no tools: calls written out as text, results as a
+    `tool` turn where the template has one (small models answer from it far better than from a
+    quoted block), else as a user turn in Hermes' `<tool_response>` tags."""
     content = m.get("content") or ""
     if m.get("tool_calls"):
         calls = "\n".join(
@@ -270,5 +285,7 @@ def _plain_message(m: dict[str, Any]) -> dict[str, Any]:
             for c in m["tool_calls"])
         return {"role": "assistant", "content": f"{content}\n{calls}".strip()}
     if m["role"] == "tool":
+        if tool_role:
+            return {"role": "tool", "content": content}
         return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
     return {"role": m["role"], "content": content}
