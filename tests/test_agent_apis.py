@@ -62,7 +62,7 @@ async def test_the_anthropic_client_gets_the_same_text_whole_and_streamed(model_
     assert stopped.content[0].text == direct.text[:direct.text.index(cut)]
     assert image.value.status_code == 400
     assert image.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
-    assert "only text blocks" in image.value.body["error"]["message"]  # type: ignore[index]
+    assert "'image' blocks are not supported" in image.value.body["error"]["message"]  # type: ignore[index]
     assert denied.value.status_code == 401 and denied.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
 
 

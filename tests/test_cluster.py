@@ -5,6 +5,7 @@ Ray takes ~30 s to start on 2 cores. The killed-replica and drain tests run last
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -131,6 +132,34 @@ def test_keys_cors_and_the_token_endpoints_work_through_the_frontend(cluster: st
     assert "hello world" in text.json()["prompt"]
     assert preflight.status_code == 204
     assert marked.headers["access-control-allow-origin"] == "https://app.example"
+
+
+def test_anthropic_responses_and_forced_tool_calls_through_the_frontend(cluster: str) -> None:
+    import anthropic
+
+    ask: Any = [{"role": "user", "content": "hi"}]
+    claude = anthropic.Anthropic(base_url=cluster, api_key="cluster-key", max_retries=0, timeout=60)
+    whole = claude.messages.create(model="m", max_tokens=6, messages=ask, extra_body={"temperature": 0})
+    with claude.messages.stream(model="m", max_tokens=6, messages=ask, extra_body={"temperature": 0}) as stream:
+        streamed = stream.get_final_message()
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        claude.messages.create(model="m", max_tokens=6, messages=ask, extra_body={"temperature": 5})
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="cluster-key", max_retries=0)
+    response = client.responses.create(model="m", input="hi", max_output_tokens=6, temperature=0)
+    events = list(client.responses.create(model="m", input="hi", max_output_tokens=6, temperature=0, stream=True))
+    unit = {"type": "object", "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["unit"]}
+    tools: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": unit}}]
+    called = client.chat.completions.create(model="m", messages=ask, tools=tools, tool_choice="required",
+                                            max_tokens=200, temperature=0)
+    text = whole.content[0].text  # type: ignore[union-attr]
+    assert text and text == streamed.content[0].text and whole.stop_reason == "max_tokens"  # type: ignore[union-attr]
+    assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert response.output_text and response.usage is not None and response.usage.output_tokens == 6
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == response.output_text
+    [call] = called.choices[0].message.tool_calls or []
+    assert called.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(call.function.arguments)["unit"] in ("celsius", "fahrenheit")  # type: ignore[union-attr]
 
 
 def test_a_prompt_too_long_for_the_context_is_refused_by_its_length(cluster: str) -> None:

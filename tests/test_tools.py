@@ -231,3 +231,33 @@ async def test_anthropic_tool_use_and_responses_function_calls_with_the_official
     assert done.arguments == events[-1].response.output[0].arguments  # type: ignore[union-attr]
     assert answered.output_text and answered.output[0].type == "message"
     assert json.loads(typed.output_text)["name"]
+
+
+def test_reasoning_comes_apart_from_the_answer_whole_and_streamed_in_openais_shape() -> None:
+    """The server's rendering of a thinking model's output (no such model is reachable here
+    without a hub): `<think>` text becomes `reasoning_content`, whole and as stream deltas cut
+    anywhere, and a prompt that opens the reasoning itself starts the answer inside it."""
+    from scheduler.serving.http import responses as rs
+    from scheduler.serving.http.chat import Answer
+    from scheduler.streaming.gather import Gather
+    from scheduler.types import Chunk
+
+    tok = _Tokenizer(json_tools)
+    tok.has_thinking, tok.think_start, tok.think_end = True, "<think>", "</think>"  # type: ignore[attr-defined]
+    text = "<think>The user asks for a capital.</think>Paris is the capital of France."
+    head = rs.Head("chatcmpl-1", 0, "m")
+    for reasoning_first, given in ((False, text), (True, text.removeprefix("<think>"))):
+        answer = Answer(ToolCalling(tok, None, None), reasoning_first)
+        cuts = [given[i:i + 3] for i in range(0, len(given), 3)]
+        chunks = [Chunk(1, piece, [0]) for piece in cuts[:-1]] + [Chunk(1, cuts[-1], [0], "stop", 20, len(cuts))]
+        g = Gather()
+        for c in chunks:
+            g.add(c)
+        message = rs.chat_completion(head, g, answer).choices[0].message
+        assert (message.reasoning_content, message.content) == ("The user asks for a capital.",
+                                                                "Paris is the capital of France.")
+        events = rs.ChatEvents(head, False, 1, answer)
+        deltas = [json.loads(e)["choices"][0]["delta"] for c in chunks for e in events(c)]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user asks for a capital."
+        assert "".join(d.get("content", "") for d in deltas) == "Paris is the capital of France."
+        assert deltas[0]["role"] == "assistant"

@@ -139,11 +139,11 @@ def check_length(prompt_tokens: int, max_tokens: int, context_length: int) -> No
 
 def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]], **template: Any) -> list[int]:
     """Token ids of `messages` under `tokenizer`'s chat template, ready for `generate`. Each
-    message has a `role` and a text `content` (None or absent: empty, as in an assistant's tool
-    call); `template` holds extra template arguments (`tools`)."""
+    message has a `role` and a text `content` ("" beside an assistant's `tool_calls`);
+    `template` holds extra template arguments (`tools`)."""
     if not isinstance(messages, list) or not messages or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str)
-        and isinstance(m.get("content") or "", str) for m in messages
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
     ):
         raise InvalidRequest("messages must be a non-empty list of {'role': str, 'content': str}")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template)

@@ -21,6 +21,7 @@ from scheduler.request import chat_template_ids
 from scheduler.serving.cluster.prom import merge
 from scheduler.serving.cluster.replica import Job
 from scheduler.serving.cluster.routing import ROUTERS
+from scheduler.serving.http import anthropic, responses_api
 from scheduler.serving.http import requests as rq
 from scheduler.serving.http import responses as rs
 from scheduler.serving.http import tokens as tk
@@ -32,7 +33,7 @@ from scheduler.serving.http.errors import ApiError, from_scheduler, internal, js
 from scheduler.serving.http.errors import shutting_down as closing_error
 from scheduler.serving.http.logprobs import TokenTexts
 from scheduler.serving.http.prompts import Tokenizing
-from scheduler.serving.http.sse import EventStream
+from scheduler.serving.http.sse import OPENAI, Dialect, EventStream
 from scheduler.streaming.gather import Gather
 from scheduler.types import Chunk
 
@@ -193,17 +194,22 @@ class Frontend:
         rid = f"req-{uuid.uuid4().hex}"
         headers = {"x-request-id": rid}
         route = (request.method, request.url.path)
+        shape = anthropic.error_response if route[1].startswith("/v1/messages") else _openai
         refusal = self._access.refusal(request.method, route[1], request.headers)
         if refusal is not None:
-            return refusal.response(headers)
+            return shape(refusal, headers)
         handlers: dict[tuple[str, str], Callable[[Request, str], Any]] = {
             ("POST", "/v1/completions"): self._completions, ("POST", "/v1/chat/completions"): self._chat,
             ("GET", "/v1/models"): self._models, ("GET", "/health"): self._health,
             ("GET", "/metrics"): self._metrics, ("POST", "/tokenize"): self._tokenize,
-            ("POST", "/detokenize"): self._detokenize,
+            ("POST", "/detokenize"): self._detokenize, ("POST", "/v1/messages"): self._messages,
+            ("POST", "/v1/messages/count_tokens"): self._count_tokens,
+            ("POST", "/v1/responses"): self._responses,
         }
         handler = handlers.get(route)
-        prompt_field = "messages" if route[1].endswith("chat/completions") else "prompt"
+        fields = {"/v1/chat/completions": "messages", "/v1/messages": "messages",
+                  "/v1/messages/count_tokens": "messages", "/v1/responses": "input"}
+        prompt_field = fields.get(route[1], "prompt")
         try:
             if handler is None:
                 raise not_found(f"{request.method} {request.url.path}: Not Found")
@@ -217,12 +223,12 @@ class Frontend:
             finally:
                 self._inflight -= 1
         except ApiError as exc:
-            return exc.response(headers)
+            return shape(exc, headers)
         except errors.SchedulerError as exc:
-            return from_scheduler(exc, rid, prompt_field=prompt_field).response(headers)
+            return shape(from_scheduler(exc, rid, prompt_field=prompt_field), headers)
         except Exception:  # the HTTP boundary: a bug answers 500, the server keeps serving
             log.exception("request_failed", request_id=rid, path=request.url.path)
-            return internal(rid).response(headers)
+            return shape(internal(rid), headers)
 
     # ---- generation ---------------------------------------------------------------------------
     async def _completions(self, request: Request, rid: str) -> Response:
@@ -244,12 +250,33 @@ class Frontend:
         return await self._run(rid, self._job(plan.job), bool(req.stream), render,
                                functools.partial(rs.chat_completion, answer=plan.answer))
 
+    async def _messages(self, request: Request, rid: str) -> Response:
+        assert self._prompts is not None  # __call__ waited for _start
+        body = await read_body(request, self._body_timeout_s)
+        plan = await anthropic.plan_message(rid, body, self._prompts, self._tokens, self._model_name)
+        job = self._job(plan.job)
+        return await self._run(rid, job, plan.stream, plan.events, lambda _, g: plan.body(g),
+                               anthropic.AnthropicDialect())
+
+    async def _count_tokens(self, request: Request, rid: str) -> Response:
+        assert self._prompts is not None  # __call__ waited for _start
+        body = await read_body(request, self._body_timeout_s)
+        return await anthropic.count_tokens(body, self._prompts, self._tokens)
+
+    async def _responses(self, request: Request, rid: str) -> Response:
+        assert self._prompts is not None  # __call__ waited for _start
+        body = await read_body(request, self._body_timeout_s)
+        plan = await responses_api.plan_response(rid, body, self._prompts, self._tokens, self._model_name)
+        job = self._job(plan.job)
+        return await self._run(rid, job, plan.stream, plan.events, lambda _, g: plan.body(g),
+                               responses_api.ResponsesDialect())
+
     def _job(self, request: GenRequest) -> Job:
         assert isinstance(request.prompt, list)
         return Job(request, tuple(prompt_keys(request.prompt, self._block_tokens)))
 
     async def _run(self, rid: str, job: Job, streaming: bool, render: Callable[[Chunk], list[bytes]],
-                   whole: Callable[[rs.Head, Gather], msgspec.Struct]) -> Response:
+                   whole: Callable[[rs.Head, Gather], Any], dialect: Dialect = OPENAI) -> Response:
         for attempt in range(OPENING_TRIES):
             # A replica that died before its first word produced nothing: try the survivors.
             gen = self._backend.options(stream=True).generate.remote(job)
@@ -271,7 +298,7 @@ class Frontend:
             await stream.aclose()
             raise
         if streaming:
-            response = ClusterEventStream(cast("RequestStream", stream), first, render, rid, n)
+            response = ClusterEventStream(cast("RequestStream", stream), first, render, rid, n, dialect)
             response.headers[REPLICA_HEADER] = replica
             return response
         gathered = Gather()
@@ -346,6 +373,10 @@ class FrontendPrompts:
 
     def chat(self, messages: list[dict[str, Any]], **template: Any) -> list[int]:
         return chat_template_ids(self.tokenizer, messages, **template)
+
+
+def _openai(error: ApiError, headers: dict[str, str]) -> Response:
+    return error.response(headers)
 
 
 def _usage(req: rq.CompletionRequest | rq.ChatRequest) -> bool:

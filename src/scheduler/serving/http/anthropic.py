@@ -9,7 +9,7 @@ than text, tool_use and tool_result (images, documents) are refused with a 400 t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 from starlette.responses import Response
@@ -25,10 +25,13 @@ from scheduler.serving.http.prompts import chat_ids
 from scheduler.serving.http.sse import NamedEvents, event_stream, named_event, whole
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from starlette.requests import Request as HttpRequest
 
     from scheduler.engine import EngineClient
     from scheduler.serving.http.prompts import PromptModel, Tokenizing
+    from scheduler.streaming.gather import Gather
     from scheduler.types import Chunk
 
 _encode = msgspec.json.Encoder().encode
@@ -158,8 +161,9 @@ def conversation(system: str | list[Block] | None, messages: list[Message]) -> l
                 out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                             "content": _text(block.content, where)})
             else:
-                raise invalid(f"{where}: a {block.type!r} block is not supported in a {m.role} message",
-                              "messages")
+                allowed = "text and tool_use" if m.role == "assistant" else "text and tool_result"
+                raise invalid(f"{where}: {block.type[:32]!r} blocks are not supported; {m.role} messages "
+                              f"take {allowed} blocks", "messages")
         if texts or calls or m.role == "assistant":
             message: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
             if calls:
@@ -317,10 +321,18 @@ def content_blocks(text: str, answer: Answer | None) -> tuple[list[BlockOut], bo
     return blocks or [BlockOut("text", "")], called
 
 
-async def messages(
-    request: HttpRequest, rid: str, body: bytes, sched: EngineClient, model: PromptModel,
-    tokens: Tokenizing, model_name: str,
-) -> Response:
+class MessagePlan(NamedTuple):
+    """A Messages request made ready to run on any engine: its `Request`, the stream renderer,
+    and the whole answer's body from the gathered chunks."""
+
+    job: Request
+    stream: bool
+    events: MessageEvents
+    body: Callable[[Gather], MessageOut]
+
+
+async def plan_message(rid: str, body: bytes, model: PromptModel, tokens: Tokenizing,
+                       model_name: str) -> MessagePlan:
     req = rq.decode(body, MessagesRequest)
     if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:
         raise invalid(f"temperature must be between 0 and 1, got {req.temperature}", "temperature")
@@ -332,19 +344,32 @@ async def messages(
         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
         stop=tuple(req.stop_sequences or ()), grammar=calling.grammar() if calling is not None else None)
     tenant = req.metadata.user_id if req.metadata and req.metadata.user_id else "default"
-    stream = sched.submit(Request(prompt=ids, params=params, tenant=tenant))
     answer = None if calling is None else Answer(calling, opens_reasoning(model.tokenizer, ids))
     mid = f"msg_{rid.split('-', 1)[-1]}"
-    if req.stream:
-        return await event_stream(request, rid, stream, MessageEvents(mid, model_name, len(ids), answer),
-                                  dialect=AnthropicDialect())
+
+    def whole_body(gathered: Gather) -> MessageOut:
+        last = gathered.finals()[0]
+        usage = Usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+        blocks, called = content_blocks(gathered.text(), answer)
+        reason = "tool_use" if called and last.finish_reason == "stop" else stop_reason(last)
+        return MessageOut(mid, "message", "assistant", blocks, model_name, reason, last.stop, usage)
+
+    job = Request(prompt=ids, params=params, tenant=tenant)
+    events = MessageEvents(mid, model_name, len(ids), answer)
+    return MessagePlan(job, bool(req.stream), events, whole_body)
+
+
+async def messages(
+    request: HttpRequest, rid: str, body: bytes, sched: EngineClient, model: PromptModel,
+    tokens: Tokenizing, model_name: str,
+) -> Response:
+    plan = await plan_message(rid, body, model, tokens, model_name)
+    stream = sched.submit(plan.job)
+    if plan.stream:
+        return await event_stream(request, rid, stream, plan.events, dialect=AnthropicDialect())
     gathered = await whole(request, rid, stream)
-    last = gathered.finals()[0]
-    usage = Usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
-    blocks, called = content_blocks(gathered.text(), answer)
-    reason = "tool_use" if called and last.finish_reason == "stop" else stop_reason(last)
-    out = MessageOut(mid, "message", "assistant", blocks, model_name, reason, last.stop, usage)
-    return Response(_encode(out), media_type="application/json", headers={"x-request-id": rid})
+    headers = {"x-request-id": rid}
+    return Response(_encode(plan.body(gathered)), media_type="application/json", headers=headers)
 
 
 async def count_tokens(body: bytes, model: PromptModel, tokens: Tokenizing) -> Response:

@@ -8,7 +8,7 @@ input."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 from starlette.responses import Response
@@ -25,10 +25,13 @@ from scheduler.serving.http.responses_events import Body, ResponseEvents
 from scheduler.serving.http.sse import NamedEvents, event_stream, named_event, whole
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from starlette.requests import Request as HttpRequest
 
     from scheduler.engine import EngineClient
     from scheduler.serving.http.prompts import PromptModel, Tokenizing
+    from scheduler.streaming.gather import Gather
 
 _encode = msgspec.json.Encoder().encode
 ROLES = frozenset({"user", "assistant", "system", "developer"})
@@ -163,10 +166,18 @@ class ResponsesDialect(NamedEvents):
         return named_event("error", _encode(data))
 
 
-async def respond(
-    request: HttpRequest, rid: str, body: bytes, sched: EngineClient, model: PromptModel,
-    tokens: Tokenizing, model_name: str,
-) -> Response:
+class ResponsePlan(NamedTuple):
+    """A Responses request made ready to run on any engine: its `Request`, the stream renderer,
+    and the whole answer's body from the gathered chunks."""
+
+    job: Request
+    stream: bool
+    events: ResponseEvents
+    body: Callable[[Gather], dict[str, Any]]
+
+
+async def plan_response(rid: str, body: bytes, model: PromptModel, tokens: Tokenizing,
+                        model_name: str) -> ResponsePlan:
     req = rq.decode(body, ResponsesRequest)
     if req.previous_response_id is not None:
         raise invalid("previous_response_id is not supported: responses are not stored; send the "
@@ -186,13 +197,25 @@ async def respond(
         max_tokens=default if req.max_output_tokens is None else req.max_output_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, json_schema=json_schema, grammar=grammar)
-    stream = sched.submit(Request(prompt=ids, params=params, priority=req.priority,
-                                  tenant=req.user or "default", session=req.session))
+    job = Request(prompt=ids, params=params, priority=req.priority, tenant=req.user or "default",
+                  session=req.session)
     answer = None if calling is None else Answer(calling, opens_reasoning(model.tokenizer, ids))
     shape = Body(rid.split("-", 1)[-1], model_name, req, calling)
-    if req.stream:
-        events = ResponseEvents(shape, answer)
-        return await event_stream(request, rid, stream, events, dialect=ResponsesDialect())
+
+    def whole_body(gathered: Gather) -> dict[str, Any]:
+        return shape.final(shape.items(gathered.text(), answer), gathered.finals()[0])
+
+    return ResponsePlan(job, bool(req.stream), ResponseEvents(shape, answer), whole_body)
+
+
+async def respond(
+    request: HttpRequest, rid: str, body: bytes, sched: EngineClient, model: PromptModel,
+    tokens: Tokenizing, model_name: str,
+) -> Response:
+    plan = await plan_response(rid, body, model, tokens, model_name)
+    stream = sched.submit(plan.job)
+    if plan.stream:
+        return await event_stream(request, rid, stream, plan.events, dialect=ResponsesDialect())
     gathered = await whole(request, rid, stream)
-    final = shape.final(shape.items(gathered.text(), answer), gathered.finals()[0])
-    return Response(_encode(final), media_type="application/json", headers={"x-request-id": rid})
+    headers = {"x-request-id": rid}
+    return Response(_encode(plan.body(gathered)), media_type="application/json", headers=headers)
