@@ -4,10 +4,12 @@ Each engine compiles one schema for the real SmolLM2 tokenizer, then drives `--r
 (64 by default, as in a full batch) through the tokens of a different valid instance each: at
 every step each row fills its next-token mask and accepts its token, as a decode step would.
 Reported per engine: the schema's compile time, microseconds per row-token (mask + advance), and
-the milliseconds a step of all rows costs, serially, best of `--repeats`. The engines run one
+the milliseconds a step of all rows costs, serially, best of `--repeats`; `llguidance-par` is
+llguidance as the server runs it, a step's masks in one call on its own threads (the machine's
+cores decide what that buys). The engines run one
 after another in one process on the same tokens; the machine's load is printed beside them.
 
-    python benchmarks/grammar_engines.py [--rows 64] [--repeats 3] [--json out.json]
+    python benchmarks/grammar_engines.py [--rows 64] [--repeats 3] [--model smollm2-135m] [--json out.json]
 
 xgrammar and outlines-core are optional here (`pip install xgrammar outlines-core`); an engine
 that is not installed is listed as such, not measured.
@@ -86,6 +88,30 @@ def llguidance_driver(hf: Any, vocab: int) -> tuple[float, Driver]:
     return compile_s, run
 
 
+def llguidance_par_driver(hf: Any, vocab: int) -> tuple[float, Driver]:
+    """llguidance as the server runs it: every row's mask of a step in one call on its threads."""
+    import llguidance
+    import llguidance.hf
+
+    tok = llguidance.hf.from_tokenizer(hf, n_vocab=vocab)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA)
+    executor = llguidance.LLExecutor()
+    words = (vocab + 31) // 32
+
+    def run(seqs: list[list[int]]) -> float:
+        matchers = [llguidance.LLMatcher(tok, grammar) for _ in seqs]
+        mask = np.zeros((len(seqs), words), dtype=np.uint32)
+        t = time.perf_counter()
+        for step in range(max(map(len, seqs))):
+            live = [(m, i) for i, (m, seq) in enumerate(zip(matchers, seqs, strict=True)) if step < len(seq)]
+            executor.unsafe_compute_mask_ptr(live, mask.ctypes.data, words * 4, len(seqs))
+            for m, i in live:
+                assert m.consume_token(seqs[i][step]), m.get_error()
+        return time.perf_counter() - t
+
+    return 0.0, run
+
+
 def xgrammar_driver(hf: Any, vocab: int) -> tuple[float, Driver]:
     import xgrammar as xgr
 
@@ -161,21 +187,24 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--model", default="smollm2-135m", help="whose tokenizer (a synthetic one where no index is reachable)")
     args = ap.parse_args()
 
     from transformers import PreTrainedTokenizerFast
 
     from workers.loading.models import resolve_model
 
-    directory = resolve_model("smollm2-135m")
+    directory = resolve_model(args.model)
     hf = PreTrainedTokenizerFast.from_pretrained(str(directory))
     vocab = len(hf)
     seqs = [hf.encode(doc, add_special_tokens=False) + [hf.eos_token_id] for doc in instances(args.rows)]
     tokens = sum(len(s) for s in seqs)
     load = os.getloadavg()[0]
-    print(f"{args.rows} rows, {tokens} tokens, vocab {vocab}; load average {load:.2f} on {os.cpu_count()} cores")
+    print(f"{args.model}: {args.rows} rows, {tokens} tokens, vocab {vocab}; load average {load:.2f} on "
+          f"{os.cpu_count()} cores")
     results: dict[str, Any] = {"rows": args.rows, "tokens": tokens, "load_avg_1m": load, "engines": {}}
-    drivers = {"llguidance": llguidance_driver, "xgrammar": xgrammar_driver, "outlines-core": outlines_driver}
+    drivers = {"llguidance": llguidance_driver, "llguidance-par": llguidance_par_driver,
+               "xgrammar": xgrammar_driver, "outlines-core": outlines_driver}
     print(f"{'engine':<14} {'compile ms':>11} {'us/row-token':>13} {'ms/step of rows':>16}")
     for name, make in drivers.items():
         try:
