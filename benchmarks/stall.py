@@ -6,6 +6,15 @@ open-loop run at `--load` x the measured closed-loop throughput. One run, side b
 JSON and a PNG of ITL over time.
 
     python benchmarks/stall.py [--model synthetic:small] [--concurrency 64]
+
+`--variants` instead runs the closed loop for each budget setting side by side, `--repeat` times
+in rotating order, with prompt lengths drawn from `--prompt-min`..`--prompt-max`, and prints the
+medians with each one's ratios to budget 0. A setting ending in `:keepcache` runs with MLX's
+`clear_cache` made a no-op (mlx-lm clears the allocator cache after every prefill chunk), to
+measure what that costs:
+
+    python benchmarks/stall.py --variants 0 auto 256 auto:keepcache --prompt-min 64 --prompt-max 512 \
+        --concurrency 32 --max-tokens 48 --seconds 20 --repeat 3
 """
 
 from __future__ import annotations
@@ -51,7 +60,8 @@ async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
     def prompt() -> list[int]:
-        return [rng.randrange(3, 2000) for _ in range(args.prompt_tokens)]
+        n = rng.randint(args.prompt_min, args.prompt_max) if args.prompt_min else args.prompt_tokens
+        return [rng.randrange(3, 2000) for _ in range(n)]
 
     trace = Trace()
     async with Scheduler(config) as sched:
@@ -102,8 +112,15 @@ def main() -> None:
     ap.add_argument("--budget", default='"auto"', help='the "on" setting: "auto" or tokens')
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/stall.json")
+    ap.add_argument("--prompt-min", type=int, default=0, help="with --prompt-max: random prompt lengths")
+    ap.add_argument("--prompt-max", type=int, default=0)
+    ap.add_argument("--variants", nargs="+", default=None, help='budget settings: 0, "auto", tokens; ":keepcache"')
+    ap.add_argument("--repeat", type=int, default=1)
     args = ap.parse_args()
     configure_logging(level="warning")
+    if args.variants:
+        compare(args)
+        return
 
     results: dict[str, dict[str, object]] = {}
     for name, budget in (("closed/off", "0"), ("closed/on", args.budget)):
@@ -158,6 +175,57 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=90)
     print(f"wrote {out.with_suffix('.png')}")
+
+
+def compare(args: argparse.Namespace) -> None:
+    """The closed loop for each of `args.variants`, repeated in rotating order; medians."""
+    import os
+    import statistics
+
+    import mlx.core as mx
+
+    runs: dict[str, list[dict[str, object]]] = {v: [] for v in args.variants}
+    loads: list[float] = []
+    clear = mx.clear_cache
+    for rep in range(args.repeat):
+        order = args.variants[rep % len(args.variants):] + args.variants[:rep % len(args.variants)]
+        for variant in order:
+            budget, _, flag = variant.partition(":")
+            budget = f'"{budget}"' if budget == "auto" else budget
+            mx.clear_cache = (lambda: None) if flag == "keepcache" else clear  # type: ignore[assignment]
+            try:
+                result = anyio.run(lambda b=budget: run(make_config(args, b), args, rate=None))
+            finally:
+                mx.clear_cache = clear  # type: ignore[assignment]
+            result.pop("itl_trace")
+            runs[variant].append(result)
+            loads.append(os.getloadavg()[0])
+            print(f"  {variant}: {result['tok_s']:.0f} tok/s, ITL p99/p50 "
+                  f"{float(result['itl_p99_ms']) / float(result['itl_p50_ms']):.2f}", flush=True)
+
+    def med(variant: str, key: str) -> float:
+        return statistics.median(float(r[key]) for r in runs[variant])  # type: ignore[arg-type]
+
+    base = args.variants[0]
+    prompts = f"{args.prompt_min}-{args.prompt_max}" if args.prompt_min else str(args.prompt_tokens)
+    print(f"\n{args.model}, {args.concurrency} streams, prompts {prompts}, output {args.max_tokens}, "
+          f"{args.seconds:.0f} s a run, medians of {args.repeat}; load {min(loads):.2f}-{max(loads):.2f}")
+    print(f"{'budget':<16} {'tok/s':>7} {'x ' + base:>8} {'ITL p50':>8} {'ITL p99':>8} {'p99/p50':>8} "
+          f"{'TTFT p99':>9} {'x ' + base:>8}")
+    table = {}
+    for v in args.variants:
+        row = {k: med(v, k) for k in ("tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_p99_ms")}
+        row["p99_over_p50"] = statistics.median(
+            float(r["itl_p99_ms"]) / float(r["itl_p50_ms"]) for r in runs[v])  # type: ignore[arg-type]
+        table[v] = row
+        print(f"{v:<16} {row['tok_s']:>7.0f} {row['tok_s'] / med(base, 'tok_s'):>8.3f} {row['itl_p50_ms']:>8.1f} "
+              f"{row['itl_p99_ms']:>8.1f} {row['p99_over_p50']:>8.2f} {row['ttft_p99_ms']:>9.0f} "
+              f"{row['ttft_p99_ms'] / med(base, 'ttft_p99_ms'):>8.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "runs": runs, "medians": table, "load": loads,
+                               "date": time.strftime("%Y-%m-%d")}, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
