@@ -38,7 +38,7 @@ from scheduler.streaming.gather import Gather
 from scheduler.types import Chunk
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
     from starlette.requests import Request
@@ -251,12 +251,7 @@ class Frontend:
                                functools.partial(rs.chat_completion, answer=plan.answer))
 
     async def _messages(self, request: Request, rid: str) -> Response:
-        assert self._prompts is not None  # __call__ waited for _start
-        body = await read_body(request, self._body_timeout_s)
-        plan = await anthropic.plan_message(rid, body, self._prompts, self._tokens, self._model_name)
-        job = self._job(plan.job)
-        return await self._run(rid, job, plan.stream, plan.events, lambda _, g: plan.body(g),
-                               anthropic.AnthropicDialect())
+        return await self._planned(request, rid, anthropic.plan_message, anthropic.AnthropicDialect())
 
     async def _count_tokens(self, request: Request, rid: str) -> Response:
         assert self._prompts is not None  # __call__ waited for _start
@@ -264,12 +259,19 @@ class Frontend:
         return await anthropic.count_tokens(body, self._prompts, self._tokens)
 
     async def _responses(self, request: Request, rid: str) -> Response:
+        dialect = responses_api.ResponsesDialect()
+        return await self._planned(request, rid, responses_api.plan_response, dialect)
+
+    async def _planned(
+        self, request: Request, rid: str,
+        plan: Callable[..., Awaitable[anthropic.MessagePlan | responses_api.ResponsePlan]], dialect: Dialect,
+    ) -> Response:
+        """A Messages or Responses request, planned as the single server plans it, run on a replica."""
         assert self._prompts is not None  # __call__ waited for _start
         body = await read_body(request, self._body_timeout_s)
-        plan = await responses_api.plan_response(rid, body, self._prompts, self._tokens, self._model_name)
-        job = self._job(plan.job)
-        return await self._run(rid, job, plan.stream, plan.events, lambda _, g: plan.body(g),
-                               responses_api.ResponsesDialect())
+        made = await plan(rid, body, self._prompts, self._tokens, self._model_name)
+        return await self._run(rid, self._job(made.job), made.stream, made.events, lambda _, g: made.body(g),
+                               dialect)
 
     def _job(self, request: GenRequest) -> Job:
         assert isinstance(request.prompt, list)
