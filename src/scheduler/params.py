@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from scheduler.errors import InvalidRequest
+from workers.batching.grammar import grammar_problem, json_schema_grammar, lark_grammar
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -76,8 +77,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def grammar_text(self) -> str | None:
         """The grammar engine's form of `json_schema` or `grammar` (None: free text)."""
-        from workers.batching.grammar import json_schema_grammar, lark_grammar
-
         if self.json_schema is not None:
             return json_schema_grammar(self.json_schema)
         if self.grammar is not None:
@@ -176,8 +175,6 @@ def _grammar_problem(p: SamplingParams) -> str | None:
         return f"grammar must be a non-empty string, got {p.grammar!r}"[:200]
     if p.ignore_eos:
         return "ignore_eos cannot be combined with json_schema or grammar: a finished grammar ends with EOS"
-    from workers.batching.grammar import grammar_problem
-
     try:
         text = p.grammar_text
     except (ValueError, TypeError) as exc:  # not JSON-serializable, or not an object

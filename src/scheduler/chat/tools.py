@@ -22,6 +22,7 @@ import structlog
 
 from scheduler.chat.split import Markers, split_all
 from scheduler.errors import InvalidRequest
+from workers.batching.grammar import JSON_DEFAULTS, grammar_problem, lark_grammar, schema_text
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -119,6 +120,8 @@ class ToolCalling:
     def __init__(self, tokenizer: Any, tools: list[Any] | None, choice: object = None) -> None:
         self._tokenizer = tokenizer
         self.tools = check_tools(tools or [])
+        self._functions: list[dict[str, Any]] = [msgspec.to_builtins(t) for t in self.tools]
+        """The tools as plain JSON values, as templates and parsers take them."""
         self.choice = check_choice(choice, self.tools)
         parser = getattr(tokenizer, "tool_parser", None)
         self.in_template = bool(getattr(tokenizer, "has_tool_calling", False)) and parser is not None
@@ -147,7 +150,7 @@ class ToolCalling:
     def messages(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """(messages, extra chat-template arguments) that show the model the tools and the
         conversation's earlier calls and results."""
-        functions = [msgspec.to_builtins(t) for t in self.tools]
+        functions = self._functions
         if self.in_template:
             out = [_template_message(m) for m in messages]
             return out, ({"tools": functions} if self.active else {})
@@ -166,8 +169,6 @@ class ToolCalling:
         """The grammar (llguidance's Lark) a forced call follows; None when calls are free."""
         if not self.forced:
             return None
-        from workers.batching.grammar import JSON_DEFAULTS, grammar_problem, lark_grammar, schema_text
-
         names = [self.choice] if self.choice != "required" else [t.function.name for t in self.tools]
         calls = [{"type": "object", "properties": {
             "name": {"const": t.function.name},
@@ -191,14 +192,15 @@ class ToolCalling:
             elif kind == "tool_call":
                 parsed = self.parse(piece)
                 if parsed is None:
-                    content.append(self._unparsed(piece))
+                    content.append(self.unparsed(piece))
                 calls.extend(parsed or [])
             else:
                 content.append(piece)
         return Reply("".join(content).strip() if calls else "".join(content),
                      "".join(reasoning).strip() or None, calls)
 
-    def _unparsed(self, body: str) -> str:
+    def unparsed(self, body: str) -> str:
+        """A tool-call section that did not parse, as the text it was, markers and all."""
         start, end = self.markers.tool or JSON_MARKERS
         return f"{start}{body}{end}"
 
@@ -206,7 +208,7 @@ class ToolCalling:
         """The calls in one tool-call section (None: it does not parse; logged, and the caller
         keeps the text as content so nothing is lost)."""
         try:
-            parsed = self._parser(body, [msgspec.to_builtins(t) for t in self.tools])
+            parsed = self._parser(body, self._functions)
             items = parsed if isinstance(parsed, list) else [parsed]
             calls = []
             for item in items:
@@ -217,6 +219,21 @@ class ToolCalling:
         except Exception as exc:  # a model's malformed or cut-off call
             log.warning("tool_call_unparsed", error=f"{type(exc).__name__}: {exc}"[:200], chars=len(body))
             return None
+
+
+def calling_for(tokenizer: Any, tools: list[Any] | None, choice: object = None) -> ToolCalling | None:
+    """A `ToolCalling` when the request has tools or a `tool_choice`, or the model marks its
+    reasoning; None when its answer is plain text."""
+    if not tools and choice is None and not getattr(tokenizer, "has_thinking", False):
+        return None
+    return ToolCalling(tokenizer, tools, choice)
+
+
+def shown_to(
+    calling: ToolCalling | None, messages: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages, chat-template arguments) with the tools shown, when there are any."""
+    return calling.messages(messages) if calling is not None else (messages, {})
 
 
 def closed(schema: Any) -> Any:

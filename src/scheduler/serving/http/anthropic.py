@@ -14,14 +14,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 from starlette.responses import Response
 
-from scheduler.chat.tools import ToolCalling
-from scheduler.errors import InvalidRequest
+from scheduler.chat.tools import ToolCalling, calling_for
 from scheduler.params import SamplingParams
 from scheduler.request import Request
 from scheduler.serving.http import requests as rq
-from scheduler.serving.http.chat import Answer, opens_reasoning, shown_to
+from scheduler.serving.http.chat import Answer, tool_prompt
 from scheduler.serving.http.errors import ApiError, invalid
-from scheduler.serving.http.prompts import chat_ids
 from scheduler.serving.http.sse import NamedEvents, event_stream, named_event, whole
 
 if TYPE_CHECKING:
@@ -174,8 +172,6 @@ def conversation(system: str | list[Block] | None, messages: list[Message]) -> l
 
 def tool_calling(tokenizer: Any, tools: list[ToolIn] | None, choice: ToolChoice | None) -> ToolCalling | None:
     """Anthropic's tools and tool_choice as chat completions' (None: plain text, no reasoning)."""
-    if not tools and choice is None and not getattr(tokenizer, "has_thinking", False):
-        return None
     functions = [{"type": "function", "function": {
         "name": t.name, **({"description": t.description} if t.description else {}),
         "parameters": t.input_schema or {"type": "object"}}} for t in tools or []]
@@ -189,10 +185,7 @@ def tool_calling(tokenizer: Any, tools: list[ToolIn] | None, choice: ToolChoice 
         else:
             raise invalid("tool_choice.type must be 'auto', 'any', 'tool' or 'none', got "
                           f"{choice.type[:32]!r}", "tool_choice")
-    try:
-        return ToolCalling(tokenizer, functions, mode)
-    except InvalidRequest as exc:
-        raise invalid(str(exc), "tools") from None
+    return calling_for(tokenizer, functions, mode)
 
 
 def stop_reason(last: Chunk) -> str | None:
@@ -337,14 +330,12 @@ async def plan_message(rid: str, body: bytes, model: PromptModel, tokens: Tokeni
     if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:
         raise invalid(f"temperature must be between 0 and 1, got {req.temperature}", "temperature")
     calling = tool_calling(model.tokenizer, req.tools, req.tool_choice)
-    shown, template = shown_to(calling, conversation(req.system, req.messages))
-    ids = await chat_ids(tokens, model, shown, **template)
+    ids, answer = await tool_prompt(tokens, model, conversation(req.system, req.messages), calling)
     params = SamplingParams(
         max_tokens=req.max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
         stop=tuple(req.stop_sequences or ()), grammar=calling.grammar() if calling is not None else None)
     tenant = req.metadata.user_id if req.metadata and req.metadata.user_id else "default"
-    answer = None if calling is None else Answer(calling, opens_reasoning(model.tokenizer, ids))
     mid = f"msg_{rid.split('-', 1)[-1]}"
 
     def whole_body(gathered: Gather) -> MessageOut:
@@ -375,6 +366,5 @@ async def messages(
 async def count_tokens(body: bytes, model: PromptModel, tokens: Tokenizing) -> Response:
     req = rq.decode(body, CountRequest)
     calling = tool_calling(model.tokenizer, req.tools, None)
-    shown, template = shown_to(calling, conversation(req.system, req.messages))
-    ids = await chat_ids(tokens, model, shown, **template)
+    ids, _ = await tool_prompt(tokens, model, conversation(req.system, req.messages), calling)
     return Response(_encode({"input_tokens": len(ids)}), media_type="application/json")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 
 from scheduler.chat.split import Splitter
-from scheduler.chat.tools import ToolCall, ToolCalling
+from scheduler.chat.tools import ToolCall, ToolCalling, calling_for, shown_to
 from scheduler.serving.http import requests as rq
 from scheduler.serving.http.errors import invalid
 from scheduler.serving.http.prompts import chat_ids
@@ -75,9 +75,8 @@ class AnswerStream:
                 out.append((None, piece, []))
             elif kind == "tool_call":
                 parsed = self._calling.parse(piece)
-                if parsed is None:  # kept as the text it was, markers and all
-                    start, end = self._calling.markers.tool or ("", "")
-                    out.append((f"{start}{piece}{end}", None, []))
+                if parsed is None:
+                    out.append((self._calling.unparsed(piece), None, []))
                     continue
                 calls = [tool_call_out(c, self.calls + k) for k, c in enumerate(parsed)]
                 self.calls += len(calls)
@@ -95,33 +94,33 @@ class ChatPlan(NamedTuple):
 async def plan_chat(req: rq.ChatRequest, tokens: Tokenizing, prompts: PromptModel, vocab: int,
                     context: int) -> ChatPlan:
     """The `Request` for a chat body, and how to read its answer (None: plain text)."""
-    messages = rq.chat_messages(req)
-    tokenizer = prompts.tokenizer
-    calling = None
-    if req.tools or req.tool_choice is not None or getattr(tokenizer, "has_thinking", False):
-        calling = ToolCalling(tokenizer, req.tools, req.tool_choice)
-    shown, template = shown_to(calling, messages)
-    ids = await chat_ids(tokens, prompts, shown, **template)
+    calling = calling_for(prompts.tokenizer, req.tools, req.tool_choice)
+    ids, answer = await tool_prompt(tokens, prompts, rq.chat_messages(req), calling)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    room = context - len(ids)
-    default = min(DEFAULT_CHAT_MAX_TOKENS, room) if room > 0 else DEFAULT_CHAT_MAX_TOKENS
-    job = rq.request(req, ids, max_tokens, default, vocab)
-    if calling is None:
-        return ChatPlan(job, None)
-    grammar = calling.grammar()
+    job = rq.request(req, ids, max_tokens, default_max_tokens(DEFAULT_CHAT_MAX_TOKENS, context, ids), vocab)
+    grammar = calling.grammar() if calling is not None else None
     if grammar is not None:
         if job.params.json_schema is not None:
             raise invalid("response_format cannot be combined with a tool_choice that forces a call",
                           "tool_choice")
         job = msgspec.structs.replace(job, params=msgspec.structs.replace(job.params, grammar=grammar))
-    return ChatPlan(job, Answer(calling, opens_reasoning(tokenizer, ids)))
+    return ChatPlan(job, answer)
 
 
-def shown_to(
-    calling: ToolCalling | None, messages: list[dict[str, Any]],
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(messages, chat-template arguments) with the tools shown, when there are any."""
-    return calling.messages(messages) if calling is not None else (messages, {})
+async def tool_prompt(
+    tokens: Tokenizing, model: PromptModel, messages: list[dict[str, Any]], calling: ToolCalling | None,
+) -> tuple[list[int], Answer | None]:
+    """The prompt's token ids with the tools shown, and how to read its answer (None: plain)."""
+    shown, template = shown_to(calling, messages)
+    ids = await chat_ids(tokens, model, shown, **template)
+    return ids, None if calling is None else Answer(calling, opens_reasoning(model.tokenizer, ids))
+
+
+def default_max_tokens(cap: int, context: int, ids: list[int]) -> int:
+    """`cap`, lowered to the room the prompt leaves in the context (`cap` when it leaves none:
+    the length check then refuses the request by name)."""
+    room = context - len(ids)
+    return min(cap, room) if room > 0 else cap
 
 
 def opens_reasoning(tokenizer: Any, ids: list[int]) -> bool:

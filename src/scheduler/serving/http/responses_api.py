@@ -13,14 +13,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 from starlette.responses import Response
 
-from scheduler.chat.tools import ToolCalling
-from scheduler.errors import InvalidRequest
+from scheduler.chat.tools import ToolCalling, calling_for
 from scheduler.params import SamplingParams
 from scheduler.request import Request
 from scheduler.serving.http import requests as rq
-from scheduler.serving.http.chat import Answer, opens_reasoning, shown_to
+from scheduler.serving.http.chat import default_max_tokens, tool_prompt
 from scheduler.serving.http.errors import ApiError, invalid
-from scheduler.serving.http.prompts import chat_ids
 from scheduler.serving.http.responses_events import Body, ResponseEvents
 from scheduler.serving.http.sse import NamedEvents, event_stream, named_event, whole
 
@@ -127,8 +125,6 @@ def conversation(req: ResponsesRequest) -> list[dict[str, Any]]:
 
 def tool_calling(tokenizer: Any, req: ResponsesRequest) -> ToolCalling | None:
     """The request's function tools as chat completions' (None: plain text, no reasoning)."""
-    if not req.tools and req.tool_choice is None and not getattr(tokenizer, "has_thinking", False):
-        return None
     functions = []
     for i, tool in enumerate(req.tools or []):
         if tool.get("type") != "function":
@@ -140,10 +136,7 @@ def tool_calling(tokenizer: Any, req: ResponsesRequest) -> ToolCalling | None:
     choice: object = req.tool_choice
     if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
         choice = {"type": "function", "function": {"name": choice.get("name")}}
-    try:
-        return ToolCalling(tokenizer, functions, choice)
-    except InvalidRequest as exc:
-        raise invalid(str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from None
+    return calling_for(tokenizer, functions, choice)
 
 
 def schema(req: ResponsesRequest) -> dict[str, Any] | None:
@@ -185,10 +178,8 @@ async def plan_response(rid: str, body: bytes, model: PromptModel, tokens: Token
     if req.temperature is not None and req.temperature > rq.MAX_TEMPERATURE:
         raise invalid(f"temperature must be between 0 and {rq.MAX_TEMPERATURE:g}", "temperature")
     calling = tool_calling(model.tokenizer, req)
-    shown, template = shown_to(calling, conversation(req))
-    ids = await chat_ids(tokens, model, shown, **template)
-    room = model.context_length - len(ids)
-    default = min(DEFAULT_MAX_OUTPUT_TOKENS, room) if room > 0 else DEFAULT_MAX_OUTPUT_TOKENS
+    ids, answer = await tool_prompt(tokens, model, conversation(req), calling)
+    default = default_max_tokens(DEFAULT_MAX_OUTPUT_TOKENS, model.context_length, ids)
     grammar = calling.grammar() if calling is not None else None
     json_schema = schema(req)
     if grammar is not None and json_schema is not None:
@@ -199,7 +190,6 @@ async def plan_response(rid: str, body: bytes, model: PromptModel, tokens: Token
         top_p=1.0 if req.top_p is None else req.top_p, json_schema=json_schema, grammar=grammar)
     job = Request(prompt=ids, params=params, priority=req.priority, tenant=req.user or "default",
                   session=req.session)
-    answer = None if calling is None else Answer(calling, opens_reasoning(model.tokenizer, ids))
     shape = Body(rid.split("-", 1)[-1], model_name, req, calling)
 
     def whole_body(gathered: Gather) -> dict[str, Any]:
