@@ -19,11 +19,10 @@ from scheduler.admission.actor import Admission
 from scheduler.admission.kvplan import KVPlan, layer_bytes, pool_size
 from scheduler.admission.messages import Cancel, Close, DropSession, Submit, SubmitEnvelope
 from scheduler.assembly import Scopes, build_stats, is_wrapping, log_model_facts, real_engine_factory
-from scheduler.chat.tools import ToolCalling
+from scheduler.chat.tools import ToolCalling, shown_to
 from scheduler.config import SchedulerConfig
 from scheduler.errors import (
     ConfigError,
-    InvalidRequest,
     ModelLoadError,
     SchedulerClosed,
     SchedulerError,
@@ -32,7 +31,7 @@ from scheduler.policies import make_policy
 from scheduler.request import (
     Request,
     chat_template_ids,
-    check_bias,
+    check_for_model,
     check_length,
     check_session,
     check_token_ids,
@@ -245,15 +244,7 @@ class Scheduler:
         """`generate` for a `Request` built already (the HTTP server, a cluster replica).
         `stream=False`: only the final chunk comes, with the whole text (what `complete` uses)."""
         self._check_running()
-        vocab = self.model.info.vocab_size
-        if isinstance(request.prompt, list):
-            check_token_ids(request.prompt, vocab)
-        check_bias(request.params, vocab)
-        if self.model.grammar_unavailable and (
-            request.params.json_schema is not None or request.params.grammar is not None
-        ):
-            raise InvalidRequest(f"structured output is unavailable for this model: "
-                                 f"{self.model.grammar_unavailable}")
+        check_for_model(request, self.model.info.vocab_size, self.model.grammar_unavailable)
         send = self._submit if stream else functools.partial(self._submit, stream=False)
         return RequestStream(send, self.cancel, request)
 
@@ -310,9 +301,7 @@ class Scheduler:
         """Token ids of `messages` under the model's chat template, ready for `generate`; with
         `tools` (from `tool_calling`), the tools are shown to the model and earlier calls and
         results in `messages` written as it expects them."""
-        if tools is None:
-            return chat_template_ids(self.model.codec.tokenizer, messages)
-        shown, template = tools.messages(messages)
+        shown, template = shown_to(tools, messages)
         return chat_template_ids(self.model.codec.tokenizer, shown, **template)
 
     def tool_calling(self, tools: list[Any], tool_choice: object = None) -> ToolCalling:

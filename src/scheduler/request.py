@@ -117,10 +117,18 @@ def check_token_ids(ids: list[Any], vocab_size: int) -> None:
             raise InvalidRequest(f"prompt[{i}] = {t!r} is not a token id in [0, {vocab_size})"[:200])
 
 
-def check_bias(params: SamplingParams, vocab_size: int) -> None:
+def check_for_model(request: Request, vocab_size: int, grammar_unavailable: str) -> None:
+    """What a request asks of the model it is submitted to: token ids in its vocabulary, and
+    structured output only where the grammar engine can read its tokenizer (`grammar_unavailable`
+    says why not; "" when it can)."""
+    if isinstance(request.prompt, list):
+        check_token_ids(request.prompt, vocab_size)
+    params = request.params
     for token, _ in params.bias:
         if token >= vocab_size:
             raise InvalidRequest(f"logit_bias names token {token}, not a token id in [0, {vocab_size})")
+    if grammar_unavailable and (params.json_schema is not None or params.grammar is not None):
+        raise InvalidRequest(f"structured output is unavailable for this model: {grammar_unavailable}")
 
 
 def check_length(prompt_tokens: int, max_tokens: int, context_length: int) -> None:
