@@ -14,16 +14,17 @@ if TYPE_CHECKING:
     import pytest
 
 
-def test_cuda_gets_graphs_off_when_unset() -> None:
+def test_cuda_gets_graphs_and_cudnn_attention_off_when_unset() -> None:
     env: dict[str, str] = {"OTHER": "1"}
-    assert cuda_defaults(env, cuda=True) == {"MLX_USE_CUDA_GRAPHS": "0"}
-    assert env == {"OTHER": "1", "MLX_USE_CUDA_GRAPHS": "0"}
+    off = {"MLX_USE_CUDA_GRAPHS": "0", "MLX_CUDA_USE_CUDNN_SDPA": "0"}
+    assert cuda_defaults(env, cuda=True) == off
+    assert env == {"OTHER": "1", **off}
 
 
 def test_the_users_setting_wins() -> None:
-    env = {"MLX_USE_CUDA_GRAPHS": "1"}
+    env = {"MLX_USE_CUDA_GRAPHS": "1", "MLX_CUDA_USE_CUDNN_SDPA": "1"}
     assert cuda_defaults(env, cuda=True) == {}
-    assert env == {"MLX_USE_CUDA_GRAPHS": "1"}
+    assert env == {"MLX_USE_CUDA_GRAPHS": "1", "MLX_CUDA_USE_CUDNN_SDPA": "1"}
 
 
 def test_other_backends_are_left_alone() -> None:
@@ -46,8 +47,8 @@ def test_apply_on_this_machine_logs_what_it_set(monkeypatch: pytest.MonkeyPatch)
 
 def test_graphs_stay_on_when_wanted() -> None:
     env: dict[str, str] = {}
-    assert cuda_defaults(env, cuda=True, graphs=True) == {}
-    assert env == {}
+    assert cuda_defaults(env, cuda=True, graphs=True) == {"MLX_CUDA_USE_CUDNN_SDPA": "0"}
+    assert env == {"MLX_CUDA_USE_CUDNN_SDPA": "0"}
 
 
 def _model_dir(directory: Path, config: str, weights: int) -> Path:
