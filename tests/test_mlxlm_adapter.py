@@ -10,17 +10,20 @@ from typing import TYPE_CHECKING
 
 import pytest
 from mlx_lm.generate import BatchGenerator
+from structlog.testing import capture_logs
 
 from workers.batching.mlxlm import (
     PRIVATE_FIELDS,
     generation_batch,
     keep_leading_space,
     missing_generator_fields,
+    missing_prefill_fields,
     missing_private_fields,
     model_classes,
     prompt_tokens_done,
     queue_sizes,
 )
+from workers.batching.prefill import install
 from workers.loading.models import load_model
 
 if TYPE_CHECKING:
@@ -129,3 +132,28 @@ def test_keep_leading_space_keeps_a_streams_first_space() -> None:
 def test_model_classes_resolve_an_alias_to_mlx_lms_class() -> None:
     model_class, args_class = model_classes({"model_type": "mistral"})
     assert model_class.__module__ == "mlx_lm.models.llama" and args_class.__name__ == "ModelArgs"
+
+
+def test_our_prefill_path_finds_what_it_needs(model_cache: Path) -> None:
+    model, _ = load_model("synthetic:tiny", model_cache)
+    gen = BatchGenerator(model, max_tokens=4)
+    try:
+        missing = missing_prefill_fields(generation_batch(gen))
+    finally:
+        gen.close()
+    assert not missing, _changed(missing)
+    assert missing_prefill_fields(SimpleNamespace(_num_tokens=[], _matchers=[])) == [
+        "GenerationBatch._step", "GenerationBatch._next_logprobs",
+    ]
+    assert set(missing_prefill_fields(SimpleNamespace())) <= set(PRIVATE_FIELDS)
+
+
+def test_without_them_the_generator_keeps_its_own_path(model_cache: Path) -> None:
+    model, _ = load_model("synthetic:tiny", model_cache)
+    gen = BatchGenerator(model, max_tokens=4)
+    own = gen._prompt_batch
+    gen._generation_batch = SimpleNamespace()  # an mlx-lm whose generation batch changed
+    with capture_logs() as logs:
+        assert install(gen) is None
+    assert gen._prompt_batch is own
+    assert [e["event"] for e in logs] == ["prefill_path_unavailable"]

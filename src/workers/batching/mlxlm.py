@@ -15,16 +15,22 @@ private parts of the attention path that the mask-free decode patches are checke
 from __future__ import annotations
 
 import inspect
+from importlib import import_module
 from typing import Any, NamedTuple
 
 PRIVATE_FIELDS: dict[str, str] = {
     "BatchGenerator._generation_batch": "the decoding rows: queue sizes, prefix blocks, mask-free decode",
-    "BatchGenerator._prompt_batch": "the rows being prefilled: the prefill budget's plan",
+    "BatchGenerator._prompt_batch": "the rows being prefilled: the budget's plan; our prefill path",
     "BatchGenerator._unprocessed_sequences": "the rows waiting to prefill: the prefill budget's plan",
     "BatchGenerator._counters.prompt_tokens": "prompt tokens prefilled so far: each step's prefill count",
     "GenerationBatch.uids": "which row is which request",
     "GenerationBatch.prompt_cache": "the rows' caches: a finished prompt's KV blocks",
     "GenerationBatch._current_tokens": "the tokens a decode step feeds its rows: grammar rows' matchers",
+    "GenerationBatch._step": "one decode step: our joining rows skip the one mlx-lm runs as they join",
+    "GenerationBatch._num_tokens": "tokens each row generated: a joining row's first step does not count",
+    "GenerationBatch._matchers": "each row's stop matcher: a joining row's first step is not output",
+    "GenerationBatch._next_logprobs": "log-probabilities the next step outputs: joining rows' stand-ins",
+    "mlx_lm.generate._right_pad_prompts": "pads a prefill chunk's prompts: our queued chunks",
     "BPEStreamingDetokenizer._maybe_trim_space(text)": "replaced so generated text keeps its first space",
     "mlx_lm.utils._get_classes": "an architecture's model classes: a synthetic model's parameter shapes",
 }
@@ -96,6 +102,21 @@ def missing_generator_fields(gen: Any) -> list[str]:
                 missing.append(f"GenerationBatch.{name}")
         if not hasattr(batch, "_current_tokens"):
             missing.append("GenerationBatch._current_tokens")
+    return missing
+
+
+def missing_prefill_fields(batch: Any) -> list[str]:
+    """The names in `PRIVATE_FIELDS` our prefill path (`prefill.py`) needs that mlx-lm no longer
+    has; `batch`: a live `GenerationBatch`."""
+    generate = import_module("mlx_lm.generate")  # the attribute mlx_lm.generate is a function
+
+    missing = [f"GenerationBatch.{name}" for name in ("_step",) if not callable(getattr(batch, name, None))]
+    missing += [
+        f"GenerationBatch.{name}" for name in ("_num_tokens", "_matchers", "_next_logprobs")
+        if not isinstance(getattr(batch, name, None), list)
+    ]
+    if not callable(getattr(generate, "_right_pad_prompts", None)):
+        missing.append("mlx_lm.generate._right_pad_prompts")
     return missing
 
 

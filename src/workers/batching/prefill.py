@@ -1,0 +1,168 @@
+"""Prefill and joining that cost the decoding rows less.
+
+**Joining.** mlx-lm turns prefilled prompts into a generation batch of their own and steps it
+once, alone, to sample their first tokens, before it joins the decoding rows: a whole forward
+pass for a few rows, as costly on the host as the decode step of the full batch. Here the joining
+rows join with their last prompt token still to be fed, and the batch's next decode step feeds it
+with everyone else's tokens; their first token comes out one step later, without the extra pass.
+
+**Chunks.** mlx-lm's `PromptProcessingBatch.prompt` blocks on each chunk (`mx.eval` of the caches)
+and then empties the allocator's cache (`mx.clear_cache`). While rows decode, the eval waits for
+the decode step queued just before it, so the host builds the next step's graph with the device
+idle. Here a chunk can instead be only queued (`mx.async_eval`), and the allocator keeps its
+buffers: the device runs the decode step and then the chunk while the host goes on. The engine
+queues chunks on the CPU backend (and Metal) but not on CUDA, where queued chunks with the cache
+kept prefilled 2.5x slower (H100, `benchmarks/prefill_phases.py --sync`). With nothing decoding
+there is no pipeline to keep, and chunks block and clear as mlx-lm's do, which bounds a long
+prompt's memory.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+import mlx.core as mx
+import structlog
+from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
+
+from workers.batching.mlxlm import missing_prefill_fields
+
+log = structlog.get_logger("workers")
+# The module (`mlx_lm.generate` as an attribute is mlx-lm's generate function).
+mlx_lm_generate = import_module("mlx_lm.generate")
+
+
+class PipelinedPrefill(PromptProcessingBatch):
+    """mlx-lm's prompt batch (its `extend`, `split`, `filter` and `generate`) with a `prompt`
+    that queues its chunks while `decoding` is set."""
+
+    decoding: bool = False
+
+    def prompt(self, tokens: list[list[int]]) -> None:
+        if len(self.uids) != len(tokens):
+            raise ValueError("The batch length doesn't match the number of inputs")
+        if not tokens:
+            return
+        if not self.decoding:
+            super().prompt(tokens)
+            return
+        # As mlx-lm's: self.tokens holds what the KV cache holds; shorter prompts right-padded.
+        for held, more in zip(self.tokens, tokens, strict=True):
+            held += more
+        lengths = [len(t) for t in tokens]
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        batch: Any
+        if max(padding) > 0:
+            batch = mlx_lm_generate._right_pad_prompts(tokens, max_length=longest)  # type: ignore[no-untyped-call]
+            for c in self.prompt_cache:
+                c.prepare(lengths=lengths, right_padding=padding)
+        else:
+            batch = mx.array(tokens)
+        while batch.shape[1] > 0:
+            n = min(self.prefill_step_size, batch.shape[1])
+            self.model(batch[:, :n], cache=self.prompt_cache)
+            mx.async_eval([c.state for c in self.prompt_cache])  # type: ignore[no-untyped-call]
+            batch = batch[:, n:]
+        if max(padding) > 0:
+            for c in self.prompt_cache:
+                c.finalize()
+            mx.async_eval([c.state for c in self.prompt_cache])  # type: ignore[no-untyped-call]
+
+
+    def generate(self, tokens: list[list[int]]) -> JoiningBatch:
+        """As mlx-lm's, but the rows leave as a `JoiningBatch`, not yet stepped."""
+        if any(len(t) > 1 for t in tokens):
+            self.prompt([t[:-1] for t in tokens])
+        last = mx.array([t[-1] for t in tokens], dtype=mx.uint32)
+        batch = JoiningBatch(
+            self.model, self.uids, last, self.prompt_cache, self.tokens, self.samplers,
+            self.fallback_sampler, self.logits_processors, self.stop_sequences, self.max_tokens,
+        )
+        self.uids, self.prompt_cache, self.tokens, self.samplers = [], [], [], []
+        self.logits_processors, self.max_tokens = [], []
+        return batch
+
+
+class JoiningBatch(GenerationBatch):
+    """mlx-lm's generation batch whose new rows are not stepped when it is made: a row that
+    joins is `priming` until the next step has fed it its last prompt token; that step's output
+    for it (the prompt token itself) is not a response and does not count towards its tokens."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._joining = True  # GenerationBatch.__init__ steps new rows at once: not here
+        super().__init__(*args, **kwargs)
+        self._joining = False
+        self._priming = [True] * len(self.uids)
+        # Stand-ins for the log-probabilities the skipped step would have made: read by the
+        # next step's eval, never by a response.
+        self._next_logprobs = [_no_logprobs()] * len(self.uids)
+
+    def _step(self) -> tuple[list[int], list[mx.array]]:
+        if self._joining:
+            return [], []
+        return super()._step()
+
+    def extend(self, batch: Any) -> None:
+        super().extend(batch)  # type: ignore[no-untyped-call]
+        self._priming.extend(getattr(batch, "_priming", [False] * len(batch.uids)))
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        self._priming = [self._priming[i] for i in keep]
+
+    def next(self) -> list[Any]:
+        if not any(self._priming):
+            return super().next()
+        # mlx-lm 0.32's GenerationBatch.next, skipping the rows this step primes.
+        tokens, logprobs = self._step()
+        keep: list[int] = []
+        responses = []
+        for i, uid in enumerate(self.uids):
+            if self._priming[i]:
+                self._priming[i] = False
+                keep.append(i)
+                continue
+            self._num_tokens[i] += 1
+            reason = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
+            if self._matchers[i].advance(tokens[i]):
+                reason = "stop"
+            done = reason is not None
+            responses.append(self.Response(
+                uid=uid, token=tokens[i], logprobs=logprobs[i], finish_reason=reason,
+                prompt_cache=self.extract_cache(i) if done else None,
+                all_tokens=self.tokens[i] if done else None,
+            ))
+            if not done:
+                keep.append(i)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+
+_NO_LOGPROBS: list[mx.array] = []
+
+
+def _no_logprobs() -> mx.array:
+    if not _NO_LOGPROBS:
+        _NO_LOGPROBS.append(mx.zeros((1,)))
+    return _NO_LOGPROBS[0]
+
+
+def install(gen: Any) -> PipelinedPrefill | None:
+    """Give a fresh `BatchGenerator` (before anything is inserted) the pipelined prompt batch
+    and a joining generation batch; `split` copies the prompt batch by class and `extend` keeps
+    the generation batch, so every later one is ours too. None (and a warning, once per
+    generator): this mlx-lm lacks what they need, and the generator keeps its own."""
+    missing = missing_prefill_fields(gen._generation_batch)
+    if missing:
+        log.warning("prefill_path_unavailable", missing=missing,
+                    note="mlx-lm's own prefill and joining are used")
+        return None
+    batch: PipelinedPrefill = PipelinedPrefill.empty(
+        gen.model, gen.sampler, prefill_step_size=gen.prefill_step_size
+    )
+    gen._prompt_batch = batch
+    gen._generation_batch = JoiningBatch.empty(gen.model, gen.sampler)
+    return batch

@@ -1,0 +1,115 @@
+"""Our prefill path on the real mlx-lm BatchGenerator (synthetic:tiny): queued chunks and rows that
+join with their last prompt token still to feed give the tokens mlx-lm's own path gives, without
+the join's extra forward pass, and a row removed while it joins leaves nothing behind."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from workers.batching.engine import MLXEngine
+from workers.batching.mlxlm import generation_batch
+from workers.loading.models import load_model
+from workers.messages import Admit, SamplingSpec
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def tiny(model_cache: Path) -> Any:
+    model, _ = load_model("synthetic:tiny", model_cache)
+    return model
+
+
+def workload(n: int, seed: int = 0) -> list[Admit]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        sampling = SamplingSpec() if i % 3 else SamplingSpec(temperature=0.8, top_p=0.9, seed=i)
+        prompt = [rng.randrange(3, 200) for _ in range(rng.randint(3, 90))]
+        out.append(Admit(rid=i, prompt=prompt, max_tokens=1 + (i * 7) % 23, sampling=sampling,
+                         stop_token_ids=()))
+    return out
+
+
+def engine(model: Any, ours: bool, *, queue_chunks: bool | None = None, budget: int = 24) -> MLXEngine:
+    return MLXEngine(model, vocab_size=256, max_batch=6, prefill_batch=4, prefill_step=64,
+                     step_token_budget=budget, pipelined_prefill=ours, queue_chunks=queue_chunks)
+
+
+def run(e: MLXEngine, admits: list[Admit], extra: list[int] | None = None,
+        calls: list[int] | None = None) -> dict[int, list[int]]:
+    """Half the requests at once, the rest two a step while the first decode. With `calls` (a
+    running count of forward passes), each step's passes beyond its decode pass (when rows were
+    decoding) and its prefill chunk (when it prefilled) go into `extra`."""
+    out: dict[int, list[int]] = {a.rid: [] for a in admits}
+    half = len(admits) // 2
+    e.insert(admits[:half])
+    later = admits[half:]
+    while e.has_work() or later:
+        e.insert(later[:2])
+        later = later[2:]
+        before = calls[0] if calls else 0
+        decoding = len(generation_batch(e._gen)) > 0
+        r = e.step()
+        if extra is not None and calls:
+            extra.append(calls[0] - before - decoding - (r.prefill_tokens > 0))
+        for rid, tok in zip(r.rids, r.tokens, strict=True):
+            out[rid].append(tok)
+    e.close()
+    return out
+
+
+@pytest.mark.parametrize("queue_chunks", [True, False])
+def test_our_prefill_path_gives_mlx_lms_tokens(tiny: Any, queue_chunks: bool) -> None:
+    admits = workload(16)
+    ours = run(engine(tiny, True, queue_chunks=queue_chunks), admits)
+    theirs = run(engine(tiny, False), admits)
+    assert ours == theirs
+    assert [len(ours[a.rid]) for a in admits] == [a.max_tokens for a in admits]
+
+
+def test_joining_rows_take_no_forward_pass_of_their_own(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = [0]
+    forward = type(tiny).__call__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tiny), "__call__", counted)
+    admits = workload(16, seed=1)
+    ours: list[int] = []
+    theirs: list[int] = []
+    run(engine(tiny, True), admits, ours, calls)
+    run(engine(tiny, False), admits, theirs, calls)
+    # Our steps are a decode pass and a prefill chunk at most; mlx-lm's steps that join prompts
+    # also run the joining rows alone once.
+    assert set(ours) == {0}
+    assert set(theirs) == {0, 1} and sum(theirs) >= 4
+
+
+def test_a_row_removed_while_it_joins_leaves_nothing_behind(tiny: Any) -> None:
+    e = engine(tiny, True, budget=0)
+    admits = workload(8, seed=2)
+    e.insert(admits)
+    out: dict[int, list[int]] = {a.rid: [] for a in admits}
+    removed = None
+    while e.has_work():
+        r = e.step()
+        for rid, tok in zip(r.rids, r.tokens, strict=True):
+            out[rid].append(tok)
+        batch = generation_batch(e._gen)
+        priming = [uid for uid, p in zip(batch.uids, batch._priming, strict=True) if p]
+        if removed is None and priming:
+            removed = e._rid_of[priming[0]]
+            e.remove([removed])
+    assert removed is not None
+    assert out[removed] == []
+    assert all(len(out[a.rid]) == a.max_tokens for a in admits if a.rid != removed)
+    assert e.held() == 0 and e.rids() == []
