@@ -1,0 +1,196 @@
+"""What a step that prefills costs, by phase: our engine on mlx-lm's BatchGenerator, closed loop.
+
+`--concurrency` rows decode while new prompts (`--prompt-min`..`--prompt-max` tokens, random)
+replace the ones that finish (`--max-tokens` greedy tokens each), for `--steps` engine steps after
+a warm-up. Each variant (a budget; `:mlx` for mlx-lm's own prefill and joining instead of ours,
+`:blocking` for ours with mlx-lm's blocking chunks, as on CUDA) runs side by side, `--repeat` times in rotating order. Clocks wrap mlx-lm's phases:
+
+- decode: `GenerationBatch.next` (the decode step, with its wait for the previous one);
+- prefill: `PromptProcessingBatch.prompt` (one chunk);
+- join: `split` + `generate` + `GenerationBatch.extend` (prefilled prompts join the decode rows);
+- finish: `GenerationBatch.filter` (finished rows leave; inside decode, counted here alone);
+- clear_cache: `mx.clear_cache`;
+- engine: the rest of `MLXEngine.step` (the budget's plan, responses, ...).
+
+Where MLX computes asynchronously, a phase's clock holds what the host waited for in it. With
+`--sync` every phase starts and ends with `mx.synchronize()`, so each clock holds its own
+compute (the pipeline is broken: compare phases, not totals). Also: steps/s, decode tokens/s,
+and the steps that prefilled.
+
+    python benchmarks/prefill_phases.py --variants 0 128 128:mlx --concurrency 32 [--sync]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+# First: OpenBLAS (workers/blas.py) binds only if it is loaded before MLX.
+import workers  # noqa: F401
+
+# isort: split
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
+
+from workers.batching.engine import MLXEngine
+from workers.batching.prefill import PipelinedPrefill
+from workers.cuda import apply_cuda_defaults
+from workers.loading.models import load_model
+from workers.messages import Admit, SamplingSpec
+
+PHASES = {
+    (GenerationBatch, "next"): "decode",
+    (GenerationBatch, "filter"): "finish",
+    (GenerationBatch, "extend"): "join",
+    (PromptProcessingBatch, "prompt"): "prefill",
+    (PipelinedPrefill, "prompt"): "prefill",
+    (PromptProcessingBatch, "split"): "join",
+    (PromptProcessingBatch, "generate"): "join",
+}
+
+
+class Clocks:
+    """Exclusive time per phase (a phase inside another is taken out of the outer one's)."""
+
+    def __init__(self, sync: bool) -> None:
+        self.sync = sync
+        self.total: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._stack: list[list[float]] = []  # [start, time spent in nested phases]
+
+    def wrap(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.sync:
+                mx.synchronize()
+            self._stack.append([time.perf_counter(), 0.0])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.sync:
+                    mx.synchronize()
+                start, nested = self._stack.pop()
+                spent = time.perf_counter() - start
+                self.total[name] += spent - nested
+                self.calls[name] += 1
+                if self._stack:
+                    self._stack[-1][1] += spent
+
+        return timed
+
+
+def install_clocks(clocks: Clocks) -> list[tuple[Any, str, Any]]:
+    saved = []
+    for (cls, attr), name in PHASES.items():
+        original = cls.__dict__[attr]
+        saved.append((cls, attr, original))
+        setattr(cls, attr, clocks.wrap(name, original))
+    saved.append((mx, "clear_cache", mx.clear_cache))
+    mx.clear_cache = clocks.wrap("clear_cache", mx.clear_cache)  # type: ignore[assignment]
+    return saved
+
+
+def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
+    budget_text, _, flag = variant.partition(":")
+    budget: int | str = budget_text if budget_text == "auto" else int(budget_text)
+    engine = MLXEngine(
+        model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,
+        prefill_step=args.prefill_step, step_token_budget=budget, pipelined_prefill=flag != "mlx",
+        queue_chunks=False if flag == "blocking" else None,
+    )
+    rng = random.Random(args.seed)
+    next_rid = 0
+
+    def admit() -> Admit:
+        nonlocal next_rid
+        next_rid += 1
+        n = rng.randint(args.prompt_min, args.prompt_max)
+        return Admit(next_rid, [rng.randrange(3, args.vocab) for _ in range(n)], args.max_tokens,
+                     SamplingSpec(), ())
+
+    engine.insert([admit() for _ in range(args.concurrency)])
+    clocks = Clocks(args.sync)
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            saved = install_clocks(clocks)
+            start = time.perf_counter()
+            tokens = prefill_steps = 0
+            step_clock = 0.0
+        t0 = time.perf_counter()
+        result = engine.step()
+        if i >= args.warmup:
+            step_clock += time.perf_counter() - t0
+            tokens += len(result.tokens)
+            prefill_steps += result.prefill_tokens > 0
+        if result.finished:  # they already left the engine
+            engine.insert([admit() for _ in result.finished])
+    mx.synchronize()
+    wall = time.perf_counter() - start
+    for cls, attr, original in saved:
+        setattr(cls, attr, original)
+    engine.close()
+    phases = dict(clocks.total)
+    phases["engine"] = step_clock - sum(phases.values())
+    return {"tok_s": tokens / wall, "ms_per_step": wall / args.steps * 1e3,
+            "prefill_steps": prefill_steps, "phase_ms_per_step": {k: v / args.steps * 1e3 for k, v in phases.items()},
+            "calls": dict(clocks.calls)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="synthetic:small")
+    ap.add_argument("--variants", nargs="+", default=["0", "128", "128:mlx"])
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--prompt-min", type=int, default=64)
+    ap.add_argument("--prompt-max", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--prefill-batch", type=int, default=8)
+    ap.add_argument("--prefill-step", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--sync", action="store_true", help="synchronize around every phase")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results/prefill_phases.json")
+    args = ap.parse_args()
+    apply_cuda_defaults()  # as the worker does: CUDA graphs off for an unquantized model
+    model, _ = load_model(args.model)
+    args.vocab = min(2000, int(model.args.vocab_size))
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
+    loads = []
+    for rep in range(args.repeat):
+        k = rep % len(args.variants)
+        for variant in args.variants[k:] + args.variants[:k]:
+            runs[variant].append(run(model, args, variant))
+            loads.append(os.getloadavg()[0])
+            print(f"  {variant}: {runs[variant][-1]['tok_s']:.0f} tok/s", flush=True)
+    names = ["decode", "prefill", "join", "finish", "clear_cache", "engine"]
+    print(f"\n{args.model} on {mx.default_device()}, {args.concurrency} rows, prompts {args.prompt_min}-"
+          f"{args.prompt_max}, {args.max_tokens} tokens, {args.steps} steps, medians of {args.repeat}"
+          f"{', synchronized phases' if args.sync else ''}; load {min(loads):.2f}-{max(loads):.2f}")
+    print(f"{'variant':<12} {'tok/s':>7} {'ms/step':>8} {'prefilled':>9} " + " ".join(f"{n:>11}" for n in names))
+    table = {}
+    for v, rs in runs.items():
+        row = {"tok_s": statistics.median(r["tok_s"] for r in rs),
+               "ms_per_step": statistics.median(r["ms_per_step"] for r in rs),
+               "prefill_steps": statistics.median(r["prefill_steps"] for r in rs)}
+        row.update({n: statistics.median(r["phase_ms_per_step"].get(n, 0.0) for r in rs) for n in names})
+        table[v] = row
+        print(f"{v:<12} {row['tok_s']:>7.0f} {row['ms_per_step']:>8.2f} {row['prefill_steps']:>9.0f} "
+              + " ".join(f"{row[n]:>11.2f}" for n in names))
+    print("(phases: ms per step, averaged over all steps)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "runs": runs, "medians": table, "load": loads,
+                               "device": str(mx.default_device()), "date": time.strftime("%Y-%m-%d")}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
