@@ -10,7 +10,7 @@ import pytest
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from tests.fakes import FakeEngine, fake_factory, fake_token
 from tests.test_integration import prompts
-from workers.batching.budget import AUTO_INITIAL_TOKENS, AUTO_MIN_TOKENS, PrefillBudget
+from workers.batching.budget import AUTO_MIN_TOKENS, AUTO_TOKENS_PER_SLOT, PrefillBudget
 from workers.messages import Admit, SamplingSpec
 
 if TYPE_CHECKING:
@@ -36,16 +36,28 @@ def test_fixed_budget_splits_among_prompts_and_caps_how_many() -> None:
 
 def test_auto_budget_keeps_a_full_batch_fed_and_fills_free_slots() -> None:
     b = PrefillBudget("auto", max_chunk=512, max_prompts=8, max_batch=64)
-    assert b.tokens() == AUTO_INITIAL_TOKENS
-    b.inserted(prompt_tokens=800, max_tokens=64)  # each of 64 slots frees a slot every 64 steps
-    assert b.tokens() == 1000  # 1.25 x 800 prompt tokens a step keeps up
-    assert b.tokens(room=4, waiting=10) == 1000 + 4 * 800 // 16  # and free slots fill in ~16 steps
-    assert b.tokens(room=4, waiting=0) == 1000
+    cap = AUTO_TOKENS_PER_SLOT * 64
+    assert b.tokens() == cap  # before any prompt was seen
     for _ in range(30):
-        b.inserted(prompt_tokens=100, max_tokens=200)
-    # A light workload needs 1.25 x 100 x 64 / 200 = 40 tokens a step; the floor keeps prefill in
-    # chunks big enough not to cost throughput (each prefilling step runs a second forward pass).
+        b.inserted(prompt_tokens=40, max_tokens=64)  # each of 64 slots frees a slot every 64 steps
+    assert b.tokens() == 50  # 1.25 x 40 prompt tokens a step keeps up
+    assert b.tokens(room=4, waiting=10) == 50 + 4 * 40 // 16  # and free slots fill in ~16 steps
+    assert b.tokens(room=4, waiting=0) == 50
+    for _ in range(30):
+        b.inserted(prompt_tokens=10, max_tokens=400)
+    # 1.25 x 10 x 64 / 400 = 2 tokens a step: the floor still lets a short prompt join in one step.
     assert b.tokens() == AUTO_MIN_TOKENS
+
+
+def test_auto_budget_is_capped_per_batch_slot() -> None:
+    # Prompts much longer than outputs: keeping the batch full would take 1.25 x 800 tokens a
+    # step, a step several decode steps long; the cap keeps every step about alike instead.
+    b = PrefillBudget("auto", max_chunk=512, max_prompts=8, max_batch=64)
+    b.inserted(prompt_tokens=800, max_tokens=64)
+    assert b.tokens() == b.tokens(room=30, waiting=30) == AUTO_TOKENS_PER_SLOT * 64
+    small = PrefillBudget("auto", max_chunk=512, max_prompts=8, max_batch=8)
+    small.inserted(prompt_tokens=800, max_tokens=64)
+    assert small.tokens() == AUTO_TOKENS_PER_SLOT * 8
 
 
 @pytest.mark.parametrize("limit", [0, -1, "fast", 1.5])

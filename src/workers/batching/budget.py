@@ -8,14 +8,14 @@ MLX: the engine tells it what it inserts and applies its plan before each step.
 
 from __future__ import annotations
 
-AUTO_MIN_TOKENS = 512
-"""The auto budget's floor. Measured on the 2-core CPU machine at 32 streams (prompt 128, 64
-tokens): without it, the fed-batch budget (~80 tokens a step there) kept only 0.85-0.91x of the
-unbounded throughput on the tiny, small and compute-bound h512 models, under the stall-free
-feature's own bar of 0.95x; with 512 a step it kept 0.98-1.04x while ITL p99 stayed 1.7-1.9x
-below the unbounded one's (README, "Stall-free admission")."""
-AUTO_INITIAL_TOKENS = AUTO_MIN_TOKENS
-"""The auto budget before any prompt was seen."""
+AUTO_TOKENS_PER_SLOT = 2
+"""The auto budget's cap: prompt tokens per step for each batch slot (`max_batch`). Below the fed
+batch's demand, every step prefills about the same amount, so steps stay alike and no one step
+stalls the streams; the cap keeps a step whose prefill outgrows its decode (a compute-bound
+model, or prompts much longer than outputs) to a few decode steps' worth. Measured on the 2-core
+CPU machine with prompts of 64-512 tokens (docs/stalls.md)."""
+AUTO_MIN_TOKENS = 32
+"""The auto budget's floor: a short prompt still joins in one step."""
 EMA = 0.2
 DEMAND_HEADROOM = 1.25
 FILL_STEPS = 16
@@ -27,8 +27,9 @@ pieces make prefill less efficient."""
 
 class PrefillBudget:
     """`limit`: a fixed number of tokens, 0 (off: the generator's own `prefill_step` chunks), or
-    "auto": what keeps the batch fed, spread evenly over steps, and at least `AUTO_MIN_TOKENS`. A
-    full batch of `max_batch` sequences of about `output_tokens` each frees a slot every
+    "auto": what keeps the batch fed, spread evenly over steps, at most `AUTO_TOKENS_PER_SLOT`
+    tokens per batch slot and at least `AUTO_MIN_TOKENS`. A full batch of `max_batch` sequences
+    of about `output_tokens` each frees a slot every
     `output_tokens / max_batch` steps; replacing it takes `prompt_tokens` of prefill (with
     headroom). Free slots with prompts waiting are filled within `FILL_STEPS` steps. Measured
     step times are not used: with MLX's pipelined decoding, one step's wall time says little
@@ -59,11 +60,12 @@ class PrefillBudget:
             return None
         if isinstance(self._limit, int):
             return self._limit
+        cap = AUTO_TOKENS_PER_SLOT * self._max_batch
         if self.prompt_tokens is None or self.output_tokens is None:
-            return AUTO_INITIAL_TOKENS
+            return cap
         demand = DEMAND_HEADROOM * self.prompt_tokens * self._max_batch / self.output_tokens
         backlog = min(room, waiting) * self.prompt_tokens / FILL_STEPS
-        return max(AUTO_MIN_TOKENS, int(demand + backlog))
+        return min(cap, max(AUTO_MIN_TOKENS, int(demand + backlog)))
 
     def plan(self, *, decoding: int, in_prefill: int, waiting: int, room: int) -> tuple[int, int]:
         """(chunk tokens per prompt, cap on prompts prefilling at once) for the next step.

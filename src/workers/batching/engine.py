@@ -118,8 +118,9 @@ class MLXEngine:
         self._emitting: set[int] = set()
         """Requests that have emitted a token (the others are still prefilling)."""
         if step_token_budget == "auto" and mx.default_device().type == mx.DeviceType.gpu:
-            # Measured on an H100: each step that prefills syncs MLX's pipelined decode, so
-            # spreading prefill over many steps cost about half the throughput at 64 streams.
+            # Measured on an H100 (docs/stalls.md): a prefill chunk is a forward pass of its own,
+            # as costly on the host as a decode step, so spreading prefill over many steps kept
+            # only 0.29-0.63x the throughput at 32-64 streams.
             step_token_budget = 0
         self._budget = PrefillBudget(
             step_token_budget,

@@ -55,7 +55,8 @@ class PipelinedPrefill(PromptProcessingBatch):
         padding = [longest - n for n in lengths]
         batch: Any
         if max(padding) > 0:
-            batch = mlx_lm_generate._right_pad_prompts(tokens, max_length=longest)  # type: ignore[no-untyped-call]
+            pad = mlx_lm_generate._right_pad_prompts
+            batch = pad(tokens, max_length=longest)
             for c in self.prompt_cache:
                 c.prepare(lengths=lengths, right_padding=padding)
         else:
@@ -69,7 +70,6 @@ class PipelinedPrefill(PromptProcessingBatch):
             for c in self.prompt_cache:
                 c.finalize()
             mx.async_eval([c.state for c in self.prompt_cache])  # type: ignore[no-untyped-call]
-
 
     def generate(self, tokens: list[list[int]]) -> JoiningBatch:
         """As mlx-lm's, but the rows leave as a `JoiningBatch`, not yet stepped."""
