@@ -40,7 +40,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
 from workers.batching.engine import MLXEngine
-from workers.batching.prefill import PipelinedPrefill
+from workers.batching.prefill import JoiningBatch, PipelinedPrefill
 from workers.cuda import apply_cuda_defaults
 from workers.loading.models import load_model
 from workers.messages import Admit, SamplingSpec
@@ -51,6 +51,10 @@ PHASES = {
     (GenerationBatch, "extend"): "join",
     (PromptProcessingBatch, "prompt"): "prefill",
     (PipelinedPrefill, "prompt"): "prefill",
+    (PipelinedPrefill, "generate"): "join",
+    (JoiningBatch, "next"): "decode",
+    (JoiningBatch, "filter"): "finish",
+    (JoiningBatch, "extend"): "join",
     (PromptProcessingBatch, "split"): "join",
     (PromptProcessingBatch, "generate"): "join",
 }

@@ -15,6 +15,11 @@ measure what that costs:
 
     python benchmarks/stall.py --variants 0 auto 256 auto:keepcache --prompt-min 64 --prompt-max 512 \
         --concurrency 32 --max-tokens 48 --seconds 20 --repeat 3
+
+The variant `mlx_lm.server` runs the same closed loop against mlx-lm's server (started here with
+the same batch sizes, on this process's OpenBLAS, on a copy of the model that never samples EOS),
+over HTTP with text prompts of the same token lengths. The side-by-side mode also plots each
+variant's ITL over time (its first run) into a PNG beside the JSON.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import anyio
 
 from metrics import configure_logging, summarize
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
+
+PEER = "mlx_lm.server"
 
 
 class Trace:
@@ -185,6 +192,7 @@ def compare(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
     runs: dict[str, list[dict[str, object]]] = {v: [] for v in args.variants}
+    traces: dict[str, object] = {}
     loads: list[float] = []
     clear = mx.clear_cache
     for rep in range(args.repeat):
@@ -194,10 +202,13 @@ def compare(args: argparse.Namespace) -> None:
             budget = f'"{budget}"' if budget == "auto" else budget
             mx.clear_cache = (lambda: None) if flag == "keepcache" else clear  # type: ignore[assignment]
             try:
-                result = anyio.run(lambda b=budget: run(make_config(args, b), args, rate=None))
+                if variant == PEER:
+                    result = run_peer(args)
+                else:
+                    result = anyio.run(lambda b=budget: run(make_config(args, b), args, rate=None))
             finally:
                 mx.clear_cache = clear  # type: ignore[assignment]
-            result.pop("itl_trace")
+            traces.setdefault(variant, result.pop("itl_trace"))
             runs[variant].append(result)
             loads.append(os.getloadavg()[0])
             print(f"  {variant}: {result['tok_s']:.0f} tok/s, ITL p99/p50 "
@@ -226,6 +237,97 @@ def compare(args: argparse.Namespace) -> None:
     out.write_text(json.dumps({"args": vars(args), "runs": runs, "medians": table, "load": loads,
                                "date": time.strftime("%Y-%m-%d")}, indent=2))
     print(f"wrote {out}")
+    plot_over_time(traces, args, out.with_suffix(".png"))
+
+
+def plot_over_time(traces: dict[str, object], args: argparse.Namespace, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no PNG)")
+        return
+    fig, axes = plt.subplots(len(traces), 1, figsize=(9, 1.8 * len(traces) + 0.6), sharex=True, sharey=True)
+    for ax, (variant, pts) in zip(axes if len(traces) > 1 else [axes], traces.items(), strict=True):
+        points = list(pts)  # type: ignore[call-overload]
+        ax.scatter([t for t, _ in points], [g * 1e3 for _, g in points], s=2, alpha=0.4)
+        name = variant if variant == PEER else f"budget {variant}"
+        ax.set_ylabel("ITL ms")
+        ax.set_yscale("log")
+        ax.set_title(name, fontsize=9, loc="left")
+    (axes[-1] if len(traces) > 1 else axes).set_xlabel("seconds")
+    fig.suptitle(f"{args.model}, {args.concurrency} streams, prompts {args.prompt_min}-{args.prompt_max}, "
+                 f"{args.max_tokens} tokens", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"wrote {path}")
+
+
+def run_peer(args: argparse.Namespace) -> dict[str, object]:
+    """The closed loop against mlx_lm.server, started for this run."""
+    import sys
+
+    import httpx
+
+    from scheduler.cli.bench import datasets
+    from scheduler.cli.bench.mlxlm import MlxLmServer
+    from scheduler.cli.bench.targets import OpenAITarget, Record, Sampling
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from peers import no_eos_model, peer_env
+
+    model_dir = no_eos_model(args.model, None)
+    maker = datasets.PromptMaker(datasets.load_codec(model_dir))
+    rng = random.Random(args.seed)
+    sampling = Sampling(temperature=0.0, ignore_eos=True)
+    trace = Trace()
+
+    async def loop(url: str) -> float:
+        limits = httpx.Limits(max_connections=None)
+        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600, connect=10), trust_env=False) as c:
+            target = OpenAITarget(c, url)
+
+            async def one(n: int) -> Record:
+                text, got = maker.make(n, rng)
+                rec = Record(got, args.max_tokens)
+                await target.send(datasets.RequestSpec(text, got, args.max_tokens), sampling, rec)
+                return rec
+
+            await one(args.prompt_min)  # warm up
+            start = time.perf_counter()
+            end_at = start + args.seconds
+
+            async def stream() -> None:
+                while time.perf_counter() < end_at:
+                    sent = time.perf_counter()
+                    rec = await one(rng.randint(args.prompt_min, args.prompt_max))
+                    if rec.ttft is None:
+                        continue
+                    trace.ttft.append(rec.ttft)
+                    at = sent + rec.ttft
+                    for gap in rec.itl:
+                        at += gap
+                        trace.itl.append((at - start, gap))
+                    trace.tokens += rec.output_tokens
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(args.concurrency):
+                    tg.start_soon(stream)
+            return time.perf_counter() - start
+
+    with MlxLmServer(model_dir, decode_concurrency=args.concurrency, prompt_concurrency=args.prefill_batch,
+                     env=peer_env(PEER)) as server:
+        wall = anyio.run(loop, server.url)
+    itl = summarize([g for _, g in trace.itl])
+    ttft = summarize(trace.ttft)
+    return {
+        "tok_s": trace.tokens / wall,
+        "itl_p50_ms": itl.p50 * 1e3, "itl_p99_ms": itl.p99 * 1e3, "itl_max_ms": itl.max * 1e3,
+        "ttft_p50_ms": ttft.p50 * 1e3, "ttft_p99_ms": ttft.p99 * 1e3,
+        "requests": len(trace.ttft), "itl_trace": trace.itl,
+    }
 
 
 if __name__ == "__main__":
