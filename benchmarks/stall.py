@@ -44,6 +44,16 @@ class Trace:
         self.ttft: list[float] = []
         self.tokens = 0
 
+    def result(self, wall: float) -> dict[str, object]:
+        itl = summarize([g for _, g in self.itl])
+        ttft = summarize(self.ttft)
+        return {
+            "tok_s": self.tokens / wall,
+            "itl_p50_ms": itl.p50 * 1e3, "itl_p99_ms": itl.p99 * 1e3, "itl_max_ms": itl.max * 1e3,
+            "ttft_p50_ms": ttft.p50 * 1e3, "ttft_p99_ms": ttft.p99 * 1e3,
+            "requests": len(self.ttft), "itl_trace": self.itl,
+        }
+
 
 async def one_request(sched: Scheduler, prompt: list[int], params: SamplingParams, trace: Trace,
                       start: float) -> None:
@@ -68,11 +78,19 @@ async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float 
 
     def prompt() -> list[int]:
         n = rng.randint(args.prompt_min, args.prompt_max) if args.prompt_min else args.prompt_tokens
-        return [rng.randrange(3, 2000) for _ in range(n)]
+        return [rng.randrange(3, 1000) for _ in range(n)]
 
     trace = Trace()
     async with Scheduler(config) as sched:
-        await sched.complete(prompt(), SamplingParams(max_tokens=4))  # warm up
+        # Warm up with a batch of prompts across the length range: a GPU compiles kernels for
+        # the shapes it first meets, and that must not land inside the timed run.
+        lo, hi = (args.prompt_min, args.prompt_max) if args.prompt_min else (args.prompt_tokens,) * 2
+        warm = random.Random(args.seed + 1)
+        async with anyio.create_task_group() as tg:
+            for k in range(args.prefill_batch):
+                n = lo + (hi - lo) * k // max(1, args.prefill_batch - 1)
+                tg.start_soon(sched.complete, [warm.randrange(3, 1000) for _ in range(n)],
+                              SamplingParams(max_tokens=4))
         start = time.perf_counter()
         end_at = start + args.seconds
         async with anyio.create_task_group() as tg:
@@ -88,14 +106,7 @@ async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float 
                     tg.start_soon(one_request, sched, prompt(), params, trace, start)
                     await anyio.sleep(rng.expovariate(rate))
         wall = time.perf_counter() - start
-    itl = summarize([g for _, g in trace.itl])
-    ttft = summarize(trace.ttft)
-    return {
-        "tok_s": trace.tokens / wall,
-        "itl_p50_ms": itl.p50 * 1e3, "itl_p99_ms": itl.p99 * 1e3, "itl_max_ms": itl.max * 1e3,
-        "ttft_p50_ms": ttft.p50 * 1e3, "ttft_p99_ms": ttft.p99 * 1e3,
-        "requests": len(trace.ttft), "itl_trace": trace.itl,
-    }
+    return trace.result(wall)
 
 
 def make_config(args: argparse.Namespace, budget: str) -> SchedulerConfig:
@@ -320,14 +331,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, object]:
     with MlxLmServer(model_dir, decode_concurrency=args.concurrency, prompt_concurrency=args.prefill_batch,
                      env=peer_env(PEER)) as server:
         wall = anyio.run(loop, server.url)
-    itl = summarize([g for _, g in trace.itl])
-    ttft = summarize(trace.ttft)
-    return {
-        "tok_s": trace.tokens / wall,
-        "itl_p50_ms": itl.p50 * 1e3, "itl_p99_ms": itl.p99 * 1e3, "itl_max_ms": itl.max * 1e3,
-        "ttft_p50_ms": ttft.p50 * 1e3, "ttft_p99_ms": ttft.p99 * 1e3,
-        "requests": len(trace.ttft), "itl_trace": trace.itl,
-    }
+    return trace.result(wall)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from tests.fakes import FakeEngine, fake_factory, fake_token
 from tests.test_integration import prompts
-from workers.batching.budget import AUTO_MIN_TOKENS, AUTO_TOKENS_PER_SLOT, PrefillBudget
+from workers.batching.budget import AUTO_MIN_CAP, AUTO_MIN_TOKENS, AUTO_TOKENS_PER_SLOT, PrefillBudget
 from workers.messages import Admit, SamplingSpec
 
 if TYPE_CHECKING:
@@ -36,8 +36,7 @@ def test_fixed_budget_splits_among_prompts_and_caps_how_many() -> None:
 
 def test_auto_budget_keeps_a_full_batch_fed_and_fills_free_slots() -> None:
     b = PrefillBudget("auto", max_chunk=512, max_prompts=8, max_batch=64)
-    cap = AUTO_TOKENS_PER_SLOT * 64
-    assert b.tokens() == cap  # before any prompt was seen
+    assert b.tokens() == max(AUTO_MIN_CAP, AUTO_TOKENS_PER_SLOT * 64)  # before any prompt was seen
     for _ in range(30):
         b.inserted(prompt_tokens=40, max_tokens=64)  # each of 64 slots frees a slot every 64 steps
     assert b.tokens() == 50  # 1.25 x 40 prompt tokens a step keeps up
@@ -52,12 +51,12 @@ def test_auto_budget_keeps_a_full_batch_fed_and_fills_free_slots() -> None:
 def test_auto_budget_is_capped_per_batch_slot() -> None:
     # Prompts much longer than outputs: keeping the batch full would take 1.25 x 800 tokens a
     # step, a step several decode steps long; the cap keeps every step about alike instead.
-    b = PrefillBudget("auto", max_chunk=512, max_prompts=8, max_batch=64)
-    b.inserted(prompt_tokens=800, max_tokens=64)
-    assert b.tokens() == b.tokens(room=30, waiting=30) == AUTO_TOKENS_PER_SLOT * 64
-    small = PrefillBudget("auto", max_chunk=512, max_prompts=8, max_batch=8)
-    small.inserted(prompt_tokens=800, max_tokens=64)
-    assert small.tokens() == AUTO_TOKENS_PER_SLOT * 8
+    for slots in (8, 64, 256):
+        b = PrefillBudget("auto", max_chunk=512, max_prompts=8, max_batch=slots)
+        b.inserted(prompt_tokens=800, max_tokens=64)
+        cap = max(AUTO_MIN_CAP, AUTO_TOKENS_PER_SLOT * slots)
+        assert b.tokens() == b.tokens(room=30, waiting=30) == cap
+        assert cap < 1.25 * 800 * slots / 64
 
 
 @pytest.mark.parametrize("limit", [0, -1, "fast", 1.5])

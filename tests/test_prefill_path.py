@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from workers.batching.budget import AUTO_MIN_CAP
 from workers.batching.engine import MLXEngine
 from workers.batching.mlxlm import generation_batch
 from workers.loading.models import load_model
@@ -113,3 +114,24 @@ def test_a_row_removed_while_it_joins_leaves_nothing_behind(tiny: Any) -> None:
     assert out[removed] == []
     assert all(len(out[a.rid]) == a.max_tokens for a in admits if a.rid != removed)
     assert e.held() == 0 and e.rids() == []
+
+
+def test_the_default_budget_bounds_every_step_that_others_decode_in(tiny: Any) -> None:
+    e = MLXEngine(tiny, vocab_size=256, max_batch=6, prefill_batch=4, prefill_step=64)  # "auto"
+    admits = workload(16, seed=3)
+    e.insert(admits[:6])
+    later = admits[6:]
+    out: dict[int, list[int]] = {a.rid: [] for a in admits}
+    busy: list[int] = []
+    while e.has_work() or later:
+        e.insert(later[:1])
+        later = later[1:]
+        decoding = len(generation_batch(e._gen)) > 0
+        r = e.step()
+        if decoding:
+            busy.append(r.prefill_tokens)
+        for rid, tok in zip(r.rids, r.tokens, strict=True):
+            out[rid].append(tok)
+    assert max(busy) <= AUTO_MIN_CAP  # the cap for 6 slots
+    assert sum(1 for n in busy if n > 0) > 10  # prefill did go on beside decoding
+    assert all(len(out[a.rid]) == a.max_tokens for a in admits)

@@ -97,7 +97,7 @@ class WorkerSection(_Section):
     step_token_budget: Annotated[int, msgspec.Meta(ge=0)] | Literal["auto"] = "auto"
     """Prompt tokens prefilled per engine step while others decode: bounds their inter-token
     latency (stall-free batching). "auto": on CPU, what keeps a full batch fed, spread over steps,
-    at most 2 tokens per batch slot; on a GPU, off. 0 turns the bound off."""
+    at most max(64, max_batch) tokens; on a GPU, off. 0 turns the bound off."""
     on_failure: Literal["restart", "close"] = "restart"
     """After a failed step: a fresh BatchGenerator serves the queue, or the scheduler closes."""
     fold_quantized: bool = True

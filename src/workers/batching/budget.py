@@ -8,12 +8,15 @@ MLX: the engine tells it what it inserts and applies its plan before each step.
 
 from __future__ import annotations
 
-AUTO_TOKENS_PER_SLOT = 2
-"""The auto budget's cap: prompt tokens per step for each batch slot (`max_batch`). Below the fed
-batch's demand, every step prefills about the same amount, so steps stay alike and no one step
-stalls the streams; the cap keeps a step whose prefill outgrows its decode (a compute-bound
-model, or prompts much longer than outputs) to a few decode steps' worth. Measured on the 2-core
-CPU machine with prompts of 64-512 tokens (docs/stalls.md)."""
+AUTO_TOKENS_PER_SLOT = 1
+AUTO_MIN_CAP = 64
+"""The auto budget's cap: `AUTO_TOKENS_PER_SLOT` prompt tokens per step for each batch slot
+(`max_batch`), at least `AUTO_MIN_CAP`. Below the fed batch's demand every step prefills about
+the same amount, so steps stay alike and no one step stalls the streams; the cap keeps a step's
+prefill to about what its decode computes, so even a compute-bound model's step at most about
+doubles. Measured on the 2-core CPU machine with prompts of 64-512 tokens at 32 and 64 streams
+(docs/stalls.md): 64 tokens a step kept ITL p99 within 1.5-2.4x its p50 on `synthetic:small` and
+`llama-h512-l8`; 128 at 64 streams let `llama-h512-l8` reach 3.3-3.6x."""
 AUTO_MIN_TOKENS = 32
 """The auto budget's floor: a short prompt still joins in one step."""
 EMA = 0.2
@@ -27,8 +30,8 @@ pieces make prefill less efficient."""
 
 class PrefillBudget:
     """`limit`: a fixed number of tokens, 0 (off: the generator's own `prefill_step` chunks), or
-    "auto": what keeps the batch fed, spread evenly over steps, at most `AUTO_TOKENS_PER_SLOT`
-    tokens per batch slot and at least `AUTO_MIN_TOKENS`. A full batch of `max_batch` sequences
+    "auto": what keeps the batch fed, spread evenly over steps, capped (`AUTO_TOKENS_PER_SLOT`,
+    `AUTO_MIN_CAP`) and at least `AUTO_MIN_TOKENS`. A full batch of `max_batch` sequences
     of about `output_tokens` each frees a slot every
     `output_tokens / max_batch` steps; replacing it takes `prompt_tokens` of prefill (with
     headroom). Free slots with prompts waiting are filled within `FILL_STEPS` steps. Measured
@@ -60,7 +63,7 @@ class PrefillBudget:
             return None
         if isinstance(self._limit, int):
             return self._limit
-        cap = AUTO_TOKENS_PER_SLOT * self._max_batch
+        cap = max(AUTO_MIN_CAP, AUTO_TOKENS_PER_SLOT * self._max_batch)
         if self.prompt_tokens is None or self.output_tokens is None:
             return cap
         demand = DEMAND_HEADROOM * self.prompt_tokens * self._max_batch / self.output_tokens

@@ -11,10 +11,11 @@ and then empties the allocator's cache (`mx.clear_cache`). While rows decode, th
 the decode step queued just before it, so the host builds the next step's graph with the device
 idle. Here a chunk can instead be only queued (`mx.async_eval`), and the allocator keeps its
 buffers: the device runs the decode step and then the chunk while the host goes on. The engine
-queues chunks on the CPU backend (and Metal) but not on CUDA, where queued chunks with the cache
-kept prefilled 2.5x slower (H100, `benchmarks/prefill_phases.py --sync`). With nothing decoding
-there is no pipeline to keep, and chunks block and clear as mlx-lm's do, which bounds a long
-prompt's memory.
+queues chunks on every backend but CUDA (measured on the CPU; not yet on Metal); on CUDA
+queued chunks with the cache
+kept prefilled 2.5x slower (H100, `benchmarks/prefill_phases.py --sync`, while cuDNN's attention
+was still on). With nothing decoding there is no pipeline to keep, and chunks block and clear as
+mlx-lm's do, which bounds a long prompt's memory.
 """
 
 from __future__ import annotations
