@@ -31,12 +31,11 @@ pieces make prefill less efficient."""
 class PrefillBudget:
     """`limit`: a fixed number of tokens, 0 (off: the generator's own `prefill_step` chunks), or
     "auto": what keeps the batch fed, spread evenly over steps, capped (`AUTO_TOKENS_PER_SLOT`,
-    `AUTO_MIN_CAP`) and at least `AUTO_MIN_TOKENS`. A full batch of `max_batch` sequences
-    of about `output_tokens` each frees a slot every
-    `output_tokens / max_batch` steps; replacing it takes `prompt_tokens` of prefill (with
-    headroom). Free slots with prompts waiting are filled within `FILL_STEPS` steps. Measured
-    step times are not used: with MLX's pipelined decoding, one step's wall time says little
-    about its own work (notably on GPUs)."""
+    `AUTO_MIN_CAP`) and at least `AUTO_MIN_TOKENS`. A full batch of `max_batch` sequences of
+    about `output_tokens` each frees a slot every `output_tokens / max_batch` steps; replacing it
+    takes `prompt_tokens` of prefill (with headroom). Free slots with prompts waiting are filled
+    within `FILL_STEPS` steps. Measured step times are not used: with MLX's pipelined decoding,
+    one step's wall time says little about its own work (notably on GPUs)."""
 
     def __init__(
         self, limit: int | str, *, max_chunk: int, max_prompts: int, max_batch: int = 64

@@ -107,7 +107,6 @@ class MLXEngine:
         pipelined_prefill: bool = True,
         queue_chunks: bool | None = None,
     ) -> None:
-        self._vocab_size = vocab_size
         self._grammar = None if grammar is None else GrammarRows(grammar, self._decoding_inputs)
         # Sessions need caches mlx-lm can extract and re-insert; prefix blocks need plain KVCaches.
         self.support = cache_support(make_prompt_cache(model))
