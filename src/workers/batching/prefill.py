@@ -96,9 +96,11 @@ class JoiningBatch(GenerationBatch):
         super().__init__(*args, **kwargs)
         self._joining = False
         self._priming = [True] * len(self.uids)
-        # Stand-ins for the log-probabilities the skipped step would have made: read by the
-        # next step's eval, never by a response.
-        self._next_logprobs = [_no_logprobs()] * len(self.uids)
+        # Stand-ins for the log-probabilities the skipped step would have made: passed to the
+        # next step's eval (which skips what is not an array), never read by a response. Not an
+        # array: one kept beyond the worker thread would be freed at interpreter exit, which
+        # can abort it (MLX work of a joined thread).
+        self._next_logprobs = [None] * len(self.uids)
 
     def _step(self) -> tuple[list[int], list[mx.array]]:
         if self._joining:
@@ -140,15 +142,6 @@ class JoiningBatch(GenerationBatch):
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
-
-
-_NO_LOGPROBS: list[mx.array] = []
-
-
-def _no_logprobs() -> mx.array:
-    if not _NO_LOGPROBS:
-        _NO_LOGPROBS.append(mx.zeros((1,)))
-    return _NO_LOGPROBS[0]
 
 
 def install(gen: Any) -> PipelinedPrefill | None:
