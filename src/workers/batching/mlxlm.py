@@ -110,7 +110,7 @@ def missing_prefill_fields(batch: Any) -> list[str]:
     has; `batch`: a live `GenerationBatch`."""
     generate = import_module("mlx_lm.generate")  # the attribute mlx_lm.generate is a function
 
-    missing = [f"GenerationBatch.{name}" for name in ("_step",) if not callable(getattr(batch, name, None))]
+    missing = [] if callable(getattr(batch, "_step", None)) else ["GenerationBatch._step"]
     missing += [
         f"GenerationBatch.{name}" for name in ("_num_tokens", "_matchers", "_next_logprobs")
         if not isinstance(getattr(batch, name, None), list)

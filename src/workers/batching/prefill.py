@@ -11,11 +11,10 @@ and then empties the allocator's cache (`mx.clear_cache`). While rows decode, th
 the decode step queued just before it, so the host builds the next step's graph with the device
 idle. Here a chunk can instead be only queued (`mx.async_eval`), and the allocator keeps its
 buffers: the device runs the decode step and then the chunk while the host goes on. The engine
-queues chunks on every backend but CUDA (measured on the CPU; not yet on Metal); on CUDA
-queued chunks with the cache
-kept prefilled 2.5x slower (H100, `benchmarks/prefill_phases.py --sync`, while cuDNN's attention
-was still on). With nothing decoding there is no pipeline to keep, and chunks block and clear as
-mlx-lm's do, which bounds a long prompt's memory.
+queues chunks on every backend but CUDA (measured on the CPU; not yet on Metal); on CUDA,
+queued chunks with the cache kept prefilled 2.5x slower (H100, `benchmarks/prefill_phases.py
+--sync`, while cuDNN's attention was still on). With nothing decoding there is no pipeline to
+keep, and chunks block and clear as mlx-lm's do, which bounds a long prompt's memory.
 """
 
 from __future__ import annotations
@@ -54,8 +53,9 @@ class PipelinedPrefill(PromptProcessingBatch):
         lengths = [len(t) for t in tokens]
         longest = max(lengths)
         padding = [longest - n for n in lengths]
+        padded = max(padding) > 0
         batch: Any
-        if max(padding) > 0:
+        if padded:
             pad = mlx_lm_generate._right_pad_prompts
             batch = pad(tokens, max_length=longest)
             for c in self.prompt_cache:
@@ -67,7 +67,7 @@ class PipelinedPrefill(PromptProcessingBatch):
             self.model(batch[:, :n], cache=self.prompt_cache)
             mx.async_eval([c.state for c in self.prompt_cache])  # type: ignore[no-untyped-call]
             batch = batch[:, n:]
-        if max(padding) > 0:
+        if padded:
             for c in self.prompt_cache:
                 c.finalize()
             mx.async_eval([c.state for c in self.prompt_cache])  # type: ignore[no-untyped-call]
