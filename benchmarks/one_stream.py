@@ -1,16 +1,18 @@
-"""One stream: where its TTFT and its time per token go.
+"""One stream: where its TTFT and its time per token go, against `stream_generate`.
 
-In one process, one request at a time (prompt 128 tokens, 32 greedy tokens), medians over N
-requests after warm-up:
+In one process, one request at a time (prompt 128 tokens, 32 greedy tokens). Every round runs one
+request through each variant, in an order that rotates from round to round, so that a noisy
+neighbour or drift hits every variant alike; the figures are medians over the rounds:
 - `stream_generate` (mlx-lm's one-sequence loop), the bare `BatchGenerator`, and our engine
-  adapter alone (`MLXEngine`, mask-free and masked), stepped on this thread;
+  adapter alone (`MLXEngine`, mask-free and masked), stepped on the event loop's thread;
 - our `Scheduler` (one warmed instance), prompts as token ids and as text;
-- the same again with a trace of each hop (submit, pool, worker insert/step, the loop applying
-  each step, the first chunk), printed for two requests.
+then the scheduler again with a trace of each hop (submit, pool, worker insert/step, the loop
+applying each step, the first chunk), printed for two requests.
 
-    python benchmarks/one_stream.py --model synthetic:tiny --requests 10
+    python benchmarks/one_stream.py --model synthetic:tiny --requests 20
 
-Prints a table and writes JSON (`--out`).
+Prints a table (tok/s over the 32 tokens, TTFT included, and its ratio to `stream_generate`) and
+writes JSON (`--out`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -101,41 +104,61 @@ def main() -> None:
         itl = [(r[-1] - r[0]) / (len(r) - 1) for r in runs]
         tok_s = statistics.median(len(r) / r[-1] for r in runs)
         rows[label] = {"ttft_p50_ms": med_ms(ttft), "itl_p50_ms": med_ms(itl), "tok_s": round(tok_s, 1)}
+        ratio = tok_s / rows["stream_generate"]["tok_s"]
+        rows[label]["vs_stream_generate"] = round(ratio, 3)
         print(f"{label:28s} TTFT p50 {med_ms(ttft):8.2f} ms  ITL p50 {med_ms(itl):6.2f} ms  "
-              f"tok/s {tok_s:7.1f}", flush=True)
+              f"tok/s {tok_s:7.1f}  {ratio:5.3f}x stream_generate", flush=True)
 
     mask_free: Callable[[list[int]], list[float]] = functools.partial(engine, mask_free=True)
     masked: Callable[[list[int]], list[float]] = functools.partial(engine, mask_free=False)
     loops = [("stream_generate", sg), ("bare BatchGenerator", bare), ("engine, mask-free", mask_free),
              ("engine, masked", masked)]
-    for _, fn in loops:
-        for p in ids[:3]:
-            fn(p)
-    for label, fn in loops:
-        record(label, [fn(p) for p in ids[3:]])
-
     marks: list[tuple[str, float]] = []
 
-    async def through_scheduler(prompts: list[Any], trace: bool) -> tuple[list[list[float]], list[Any]]:
+    async def scheduled(s: Scheduler, p: Any, trace: bool = False) -> list[float]:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        t0, ts = time.perf_counter(), []
+        async for c in s.generate(p, params):
+            if c.token_ids:
+                if trace and not ts:
+                    marks.append(("FIRST", time.perf_counter()))
+                ts += [time.perf_counter() - t0] * len(c.token_ids)
+        return ts
+
+    async def side_by_side() -> dict[str, list[list[float]]]:
+        config = SchedulerConfig.from_toml(our_toml(model_dir, 1, ""))
+        runs: dict[str, list[list[float]]] = {label: [] for label, _ in loops}
+        runs |= {"scheduler, token ids": [], "scheduler, text": []}
+        async with Scheduler(config) as s:
+            for i, (p, spec) in enumerate(zip(ids, specs, strict=True)):
+                variants: list[tuple[str, Callable[[], Any]]] = [
+                    *((label, functools.partial(fn, p)) for label, fn in loops),
+                    ("scheduler, token ids", functools.partial(scheduled, s, p)),
+                    ("scheduler, text", functools.partial(scheduled, s, spec.prompt)),
+                ]
+                k = i % len(variants)  # rotate the order from round to round
+                for label, run in variants[k:] + variants[:k]:
+                    result = run()
+                    ts = await result if hasattr(result, "__await__") else result
+                    if i >= 3:  # the first rounds warm every variant up
+                        runs[label].append(ts)
+        return runs
+
+    for label, ts in anyio.run(side_by_side).items():
+        record(label, ts)
+
+    async def through_scheduler(prompts: list[Any]) -> tuple[list[list[float]], list[Any]]:
         config = SchedulerConfig.from_toml(our_toml(model_dir, 1, ""))
         runs, traces = [], []
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
         async with Scheduler(config) as s:
             for i, p in enumerate(prompts):
                 marks.clear()
-                t0, ts = time.perf_counter(), []
-                async for c in s.generate(p, params):
-                    if c.token_ids:
-                        if trace and not ts:
-                            marks.append(("FIRST", time.perf_counter()))
-                        ts += [time.perf_counter() - t0] * len(c.token_ids)
+                t0 = time.perf_counter()
+                ts = await scheduled(s, p, trace=True)
                 if i >= 3:
                     runs.append(ts)
                     traces.append([(label, round(1000 * (t - t0), 2)) for label, t in marks])
         return runs, traces
-
-    record("scheduler, token ids", anyio.run(through_scheduler, ids, False)[0])
-    record("scheduler, text", anyio.run(through_scheduler, [s.prompt for s in specs], False)[0])
 
     def traced(cls: Any, name: str, label: str) -> None:
         f = getattr(cls, name)
@@ -156,14 +179,16 @@ def main() -> None:
         (core_mod.AdmissionCore, "on_step", "applied"),
     ]:
         traced(cls, name, label)
-    runs, traces = anyio.run(through_scheduler, ids, True)
+    runs, traces = anyio.run(through_scheduler, ids)
     record("scheduler, ids, traced", runs)
     for t in traces[-2:]:
         first = next(x for label, x in t if label == "FIRST")
         print("  trace ms:", " ".join(f"{label}{x}" for label, x in t if x <= first))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "rows": rows, "traces": traces[-2:]}, indent=1))
+    meta = {"model": args.model, "requests": args.requests, "load_avg": list(os.getloadavg()),
+            "device": str(mx.default_device()), "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d")}
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "traces": traces[-2:]}, indent=1))
     print(f"wrote {out}")
 
 

@@ -393,3 +393,32 @@ async def test_the_worker_goes_on_when_the_loop_never_releases_it(
             tg.cancel_scope.cancel()
     assert [t for o in outputs for t in o.tokens] == expected([1, 2], 3)
     assert len(starts) == 3 and starts[1] - starts[0] >= 0.2  # it waited after the first token
+
+
+async def test_a_step_that_fails_to_apply_fails_the_actor_and_no_caller_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Steps are applied in the bridge's callback when the actor waits on an empty inbox: a
+    # failure there must end the actor as a failure in its own loop would, never hang a caller.
+    on_step = AdmissionCore.on_step
+    applied = [0]
+
+    def failing(self: AdmissionCore, out: StepOutput, now: float) -> None:
+        applied[0] += 1
+        if applied[0] == 3:
+            raise RuntimeError("injected failure applying a step")
+        on_step(self, out, now)
+
+    monkeypatch.setattr(AdmissionCore, "on_step", failing)
+    errors: list[BaseException] = []
+    with anyio.fail_after(10):
+        with pytest.raises(ExceptionGroup) as info:  # noqa: PT012  (the scheduler's block raises)
+            async with Scheduler(engine_factory=fake_factory(FakeEngine(step_delay=0.001))) as s:
+                try:
+                    await s.complete([1, 2], SamplingParams(max_tokens=50))
+                except SchedulerClosed as exc:
+                    errors.append(exc)
+    assert applied[0] == 3
+    assert len(errors) == 1 and "stopped" in str(errors[0])
+    assert isinstance(info.value, ExceptionGroup)
+    assert [str(e) for e in info.value.exceptions] == ["injected failure applying a step"]

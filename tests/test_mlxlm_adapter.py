@@ -138,12 +138,13 @@ def test_our_prefill_path_finds_what_it_needs(model_cache: Path) -> None:
     model, _ = load_model("synthetic:tiny", model_cache)
     gen = BatchGenerator(model, max_tokens=4)
     try:
-        missing = missing_prefill_fields(generation_batch(gen))
+        missing = missing_prefill_fields(gen)
     finally:
         gen.close()
     assert not missing, _changed(missing)
-    assert missing_prefill_fields(SimpleNamespace(_num_tokens=[], _matchers=[])) == [
-        "GenerationBatch._step", "GenerationBatch._next_logprobs",
+    old = SimpleNamespace(_generation_batch=SimpleNamespace(_num_tokens=[], _matchers=[]))
+    assert missing_prefill_fields(old) == [
+        "GenerationBatch._step", "GenerationBatch._next_logprobs", "BatchGenerator._currently_processing",
     ]
     assert set(missing_prefill_fields(SimpleNamespace())) <= set(PRIVATE_FIELDS)
 

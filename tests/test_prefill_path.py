@@ -43,11 +43,12 @@ def engine(model: Any, ours: bool, *, queue_chunks: bool | None = None, budget: 
                      step_token_budget=budget, pipelined_prefill=ours, queue_chunks=queue_chunks)
 
 
-def run(e: MLXEngine, admits: list[Admit], extra: list[int] | None = None,
+def run(e: MLXEngine, admits: list[Admit], extra: list[tuple[bool, int]] | None = None,
         calls: list[int] | None = None) -> dict[int, list[int]]:
     """Half the requests at once, the rest two a step while the first decode. With `calls` (a
     running count of forward passes), each step's passes beyond its decode pass (when rows were
-    decoding) and its prefill chunk (when it prefilled) go into `extra`."""
+    decoding) and its prefill chunk (when it prefilled) go into `extra`, with whether rows were
+    decoding."""
     out: dict[int, list[int]] = {a.rid: [] for a in admits}
     half = len(admits) // 2
     e.insert(admits[:half])
@@ -59,7 +60,7 @@ def run(e: MLXEngine, admits: list[Admit], extra: list[int] | None = None,
         decoding = len(generation_batch(e._gen)) > 0
         r = e.step()
         if extra is not None and calls:
-            extra.append(calls[0] - before - decoding - (r.prefill_tokens > 0))
+            extra.append((decoding, calls[0] - before - decoding - (r.prefill_tokens > 0)))
         for rid, tok in zip(r.rids, r.tokens, strict=True):
             out[rid].append(tok)
     e.close()
@@ -85,14 +86,17 @@ def test_joining_rows_take_no_forward_pass_of_their_own(tiny: Any, monkeypatch: 
 
     monkeypatch.setattr(type(tiny), "__call__", counted)
     admits = workload(16, seed=1)
-    ours: list[int] = []
-    theirs: list[int] = []
+    ours: list[tuple[bool, int]] = []
+    theirs: list[tuple[bool, int]] = []
     run(engine(tiny, True), admits, ours, calls)
     run(engine(tiny, False), admits, theirs, calls)
-    # Our steps are a decode pass and a prefill chunk at most; mlx-lm's steps that join prompts
-    # also run the joining rows alone once.
-    assert set(ours) == {0}
-    assert set(theirs) == {0, 1} and sum(theirs) >= 4
+    # While rows decode, our steps are a decode pass and a prefill chunk at most; mlx-lm's steps
+    # that join prompts also run the joining rows alone once. With nothing decoding there is no
+    # pass to share, and prompts that join feed their last token at once (one pass), as mlx-lm's.
+    assert {n for decoding, n in ours if decoding} == {0}
+    assert {n for decoding, n in theirs if decoding} == {0, 1}
+    assert sum(n for decoding, n in theirs if decoding) >= 4
+    assert {n for decoding, n in ours if not decoding} == {0, 1}
 
 
 def test_a_row_removed_while_it_joins_leaves_nothing_behind(tiny: Any) -> None:

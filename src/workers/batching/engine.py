@@ -19,7 +19,13 @@ from workers.batching.grammar import GrammarRows
 from workers.batching.kvstore import KVStore, LayerKV, common_prefix
 from workers.batching.logits import Wanted, processors
 from workers.batching.maskfree import MaskFreeDecode
-from workers.batching.mlxlm import current_inputs, generation_batch, prompt_tokens_done, queue_sizes
+from workers.batching.mlxlm import (
+    current_inputs,
+    generation_batch,
+    only_joins_next,
+    prompt_tokens_done,
+    queue_sizes,
+)
 from workers.batching.prefill import PipelinedPrefill, install
 from workers.batching.samplers import Samplers
 from workers.cuda import on_cuda
@@ -301,6 +307,10 @@ class MLXEngine:
             self._prefill.decoding = decoding > 0 and self._queue_chunks
         self.mask_free.before_step(gen)
         _, responses = gen.next()
+        if self._prefill is not None and only_joins_next(gen):
+            # Nothing decodes: the prefilled prompts join (and feed their last token) in this
+            # step, not in one of their own, so their first token comes a step sooner.
+            gen.next()
         prefilled = prompt_tokens_done(gen) - before
         rids: list[int] = []
         tokens: list[int] = []

@@ -23,6 +23,7 @@ PRIVATE_FIELDS: dict[str, str] = {
     "BatchGenerator._prompt_batch": "the rows being prefilled: the budget's plan; our prefill path",
     "BatchGenerator._unprocessed_sequences": "the rows waiting to prefill: the prefill budget's plan",
     "BatchGenerator._counters.prompt_tokens": "prompt tokens prefilled so far: each step's prefill count",
+    "BatchGenerator._currently_processing": "prefilling rows' segments left: a lone prompt joins at once",
     "GenerationBatch.uids": "which row is which request",
     "GenerationBatch.prompt_cache": "the rows' caches: a finished prompt's KV blocks",
     "GenerationBatch._current_tokens": "the tokens a decode step feeds its rows: grammar rows' matchers",
@@ -57,6 +58,16 @@ def current_inputs(batch: Any) -> Any:
 
 def queue_sizes(gen: Any) -> QueueSizes:
     return QueueSizes(len(gen._generation_batch), len(gen._prompt_batch), len(gen._unprocessed_sequences))
+
+
+def only_joins_next(gen: Any) -> bool:
+    """The generator's next call would only move prefilled prompts to the decoding rows: none
+    decodes, none waits, and every prefilling row has just its last prompt token left."""
+    processing = gen._currently_processing
+    return (
+        bool(processing) and not gen._generation_batch.uids and not gen._unprocessed_sequences
+        and all(len(s[0]) == 1 and len(s[0][0]) == 1 for s in processing)
+    )
 
 
 def prompt_tokens_done(gen: Any) -> int:
@@ -105,16 +116,19 @@ def missing_generator_fields(gen: Any) -> list[str]:
     return missing
 
 
-def missing_prefill_fields(batch: Any) -> list[str]:
-    """The names in `PRIVATE_FIELDS` our prefill path (`prefill.py`) needs that mlx-lm no longer
-    has; `batch`: a live `GenerationBatch`."""
+def missing_prefill_fields(gen: Any) -> list[str]:
+    """The names in `PRIVATE_FIELDS` our prefill path (`prefill.py`, and the engine's join of a
+    lone prompt) needs that mlx-lm no longer has; `gen`: a live `BatchGenerator`."""
     generate = import_module("mlx_lm.generate")  # the attribute mlx_lm.generate is a function
 
+    batch = getattr(gen, "_generation_batch", None)
     missing = [] if callable(getattr(batch, "_step", None)) else ["GenerationBatch._step"]
     missing += [
         f"GenerationBatch.{name}" for name in ("_num_tokens", "_matchers", "_next_logprobs")
         if not isinstance(getattr(batch, name, None), list)
     ]
+    if not isinstance(getattr(gen, "_currently_processing", None), list):
+        missing.append("BatchGenerator._currently_processing")
     if not callable(getattr(generate, "_right_pad_prompts", None)):
         missing.append("mlx_lm.generate._right_pad_prompts")
     return missing

@@ -108,8 +108,14 @@ class JoiningBatch(GenerationBatch):
         return super()._step()
 
     def extend(self, batch: Any) -> None:
+        alone = not self.uids
         super().extend(batch)  # type: ignore[no-untyped-call]
         self._priming.extend(getattr(batch, "_priming", [False] * len(batch.uids)))
+        if alone and any(self._priming):
+            # No decoding rows to share the pass with: feed the last prompt tokens now, as
+            # mlx-lm does, so the first tokens come out of the next step.
+            super()._step()
+            self._priming = [False] * len(self.uids)
 
     def filter(self, keep: list[int]) -> None:
         super().filter(keep)
@@ -149,7 +155,7 @@ def install(gen: Any) -> PipelinedPrefill | None:
     and a joining generation batch; `split` copies the prompt batch by class and `extend` keeps
     the generation batch, so every later one is ours too. None (and a warning, once per
     generator): this mlx-lm lacks what they need, and the generator keeps its own."""
-    missing = missing_prefill_fields(gen._generation_batch)
+    missing = missing_prefill_fields(gen)
     if missing:
         log.warning("prefill_path_unavailable", missing=missing,
                     note="mlx-lm's own prefill and joining are used")

@@ -1,0 +1,262 @@
+"""Where the host's time per step goes: the bare `BatchGenerator` loop against the scheduler, by phase.
+
+Same model, prompts and concurrency on both sides (a closed loop, as `overhead.py`), each side run
+with clocks around its phases, interleaved and repeated; every figure is a median over repeats of
+the per-step mean (ms per decode step):
+
+worker thread (both sides)
+- forward graph: building the model's graph (`model(...)`): Python, under the GIL;
+- async_eval: handing the step to MLX (on CUDA: encoding and launching its kernels);
+- device wait: `mx.eval`, waiting for the previous step's results;
+- sampling + rows: the rest of `BatchGenerator.next` (sampler graph, `tolist`, responses);
+- engine: ours around `BatchGenerator.next` (budget, request ids, step result);
+- post + commands: building the step's message, waking the event loop, taking commands;
+- GIL wait: wall minus CPU time of the Python-only phases (forward graph, sampling, engine).
+
+event loop (ours)
+- handoff: from the end of a step to the loop applying it (message, wake-up, queue);
+- detokenize, stop strings, other on_step: the admission actor's per-row work;
+- delivery: chunks to each request's channel;
+- other loop CPU: asyncio/anyio wake-ups of the actor and the callers, and the callers' code.
+
+The clocks cost both sides alike (a few µs a phase), so tok/s here are below `overhead.py`'s.
+
+    python benchmarks/host_cost.py --model synthetic:tiny --concurrency 1
+    python benchmarks/host_cost.py --model synthetic:llama-3.2-1b --concurrency 64   # on a GPU
+
+Prints a table per concurrency and writes JSON (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import bare_loop, make_prompts, scheduler_run  # noqa: E402
+
+WORKER = ["forward graph", "async_eval", "device wait", "sampling + rows", "engine", "post + commands",
+          "GIL wait"]
+LOOP = ["handoff", "detokenize", "stop strings", "other on_step", "delivery", "other loop CPU"]
+
+
+class Clocks:
+    """Wall and CPU seconds per phase, summed; `steps` decode steps were counted."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self.loop_cpu = 0.0
+
+    def per_step(self) -> dict[str, float]:
+        """ms per step of each phase (the derived ones included)."""
+        s, w, c = max(1, self.steps), self.wall, self.cpu
+        engine = w["step"] - w["next"] if w["step"] else 0.0  # 0: the bare loop has no engine
+        python = ("forward graph", "sampling + rows", "engine")
+        out = {
+            "forward graph": w["forward"],
+            "async_eval": w["async_eval"],
+            "device wait": w["eval"],
+            "sampling + rows": w["next"] - w["forward"] - w["async_eval"] - w["eval"],
+            "engine": engine,
+            "post + commands": w["gap"] - engine,
+            "handoff": w["handoff"],
+            "detokenize": w["text"] - w["stop"],
+            "stop strings": w["stop"],
+            "other on_step": w["on_step"] - w["text"],
+            "delivery": w["apply"],
+        }
+        cpu = {"forward graph": c["forward"], "sampling + rows": c["next"] - c["forward"] - c["async_eval"]
+               - c["eval"], "engine": c["step"] - c["next"] if c["step"] else 0.0}
+        out["GIL wait"] = max(0.0, sum(out[k] for k in python) - sum(cpu.values()))
+        if self.loop_cpu:
+            out["other loop CPU"] = max(0.0, self.loop_cpu - w["on_step"] - w["apply"])
+        return {k: 1e3 * v / s for k, v in out.items()}
+
+
+CLOCKS: Clocks | None = None
+"""The side being measured; None: the clocks are off."""
+
+
+def timed(name: str, fn: Any) -> Any:
+    """`fn` with its wall and CPU time added to CLOCKS[name]."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        clocks = CLOCKS
+        if clocks is None:
+            return fn(*args, **kwargs)
+        t, c = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            clocks.wall[name] += time.perf_counter() - t
+            clocks.cpu[name] += time.thread_time() - c
+
+    return wrapper
+
+
+def install(model: Any) -> None:
+    """Clocks around each phase: patched classes and functions, for this process only."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    import scheduler.admission.actor as actor
+    import scheduler.admission.core as core
+    import scheduler.streaming.detokenize as detok
+    import workers.batching.engine as engine
+
+    cls = type(model)
+    cls.__call__ = timed("forward", cls.__call__)
+    mx.async_eval = timed("async_eval", mx.async_eval)
+    mx.eval = timed("eval", mx.eval)
+    engine.MLXEngine.step = timed("step", engine.MLXEngine.step)
+    core.AdmissionCore.on_step = timed("on_step", core.AdmissionCore.on_step)
+    detok.TextStream.add = timed("text", detok.TextStream.add)
+    detok.StopText.feed = timed("stop", detok.StopText.feed)
+    actor.Admission._apply = timed("apply", actor.Admission._apply)
+
+    # Decode steps (a step that output tokens), and the worker's time between two: on the bare
+    # side its loop's own Python, on ours the engine's and the worker's (message, commands).
+    next_ = BatchGenerator.next
+
+    def counted_next(self: Any) -> Any:
+        clocks = CLOCKS
+        if clocks is None:
+            return next_(self)
+        t, c = time.perf_counter(), time.thread_time()
+        last = getattr(self, "_clock_last_end", None)
+        if last is not None:
+            clocks.wall["gap"] += t - last
+        try:
+            result = next_(self)
+        finally:
+            self._clock_last_end = end = time.perf_counter()
+            clocks.wall["next"] += end - t
+            clocks.cpu["next"] += time.thread_time() - c
+        if result[1]:
+            clocks.steps += 1
+        return result
+
+    BatchGenerator.next = counted_next
+    post = actor.Admission.post
+
+    def handoff(self: Any, event: Any) -> None:
+        clocks, end = CLOCKS, getattr(event, "t_end", None)
+        if clocks is not None and end is not None:
+            clocks.wall["handoff"] += time.perf_counter() - end
+        post(self, event)
+
+    actor.Admission.post = handoff
+
+
+def bare_counted(model: Any, prompts: list[list[int]], n: int, max_tokens: int, w: Any) -> tuple[float, Clocks]:
+    global CLOCKS
+    clocks = CLOCKS = Clocks()
+    try:
+        tokens, seconds = bare_loop(model, prompts, n, max_tokens, w.prefill_batch, w.prefill_step)
+    finally:
+        CLOCKS = None
+    return tokens / seconds, clocks
+
+
+def ours_counted(config: Any, prompts: list[list[int]], n: int, max_tokens: int, stream: bool) -> tuple[float, Clocks]:
+    global CLOCKS
+    clocks = CLOCKS = Clocks()
+    where: dict[str, float] = {}
+    try:
+        tokens, seconds, _ = anyio.run(scheduler_run, config, prompts, n, max_tokens, False, where, stream)
+    finally:
+        CLOCKS = None
+    clocks.loop_cpu = where["loop_cpu_ms"] * where["steps"] / 1e3
+    return tokens / seconds, clocks
+
+
+def median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(statistics.median(r.get(k, 0.0) for r in runs), 4) for k in WORKER + LOOP}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="synthetic:tiny")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1])
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--waves", type=int, default=2, help="requests per level = waves x concurrency")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved runs per side; medians count")
+    ap.add_argument("--stream", action="store_true", help="our clients stream with generate()")
+    ap.add_argument("--out", default="benchmarks/results/host_cost.json")
+    args = ap.parse_args()
+
+    import mlx.core as mx
+
+    from metrics import configure_logging
+    from scheduler import SchedulerConfig
+    from workers.loading.models import load_model, model_info
+
+    configure_logging(level="warning")
+    model, tokenizer = load_model(args.model)
+    info = model_info(model, tokenizer, args.model)
+    install(model)
+    rows = []
+    for n in args.concurrency:
+        prompts = make_prompts(max(n * args.waves, 8), args.prompt_tokens, info.vocab_size, n)
+        config = SchedulerConfig.from_toml(
+            f'[model]\npath = "{args.model}"\n[worker]\nmax_batch = {n}\nstep_token_budget = 0\n'
+            '[kvpool]\nmemory = "8GiB"\n'
+        )
+        w = config.worker
+        warm = make_prompts(max(n, 8), args.prompt_tokens, info.vocab_size, n + 10**6)
+        bare_loop(model, warm, n, args.max_tokens, w.prefill_batch, w.prefill_step)
+        ours_counted(config, warm, n, args.max_tokens, args.stream)
+        bare: list[tuple[float, Clocks]] = []
+        ours: list[tuple[float, Clocks]] = []
+        for _ in range(args.repeat):
+            bare.append(bare_counted(model, prompts, n, args.max_tokens, w))
+            ours.append(ours_counted(config, prompts, n, args.max_tokens, args.stream))
+        row = {
+            "concurrency": n,
+            "bare_tok_s": statistics.median(t for t, _ in bare),
+            "sched_tok_s": statistics.median(t for t, _ in ours),
+            "bare": median_phases([c.per_step() for _, c in bare]),
+            "sched": median_phases([c.per_step() for _, c in ours]),
+            "sched_steps": statistics.median(c.steps for _, c in ours),
+            "bare_steps": statistics.median(c.steps for _, c in bare),
+        }
+        row["ratio"] = row["sched_tok_s"] / row["bare_tok_s"]
+        rows.append(row)
+        print(f"\nconcurrency {n}: bare {row['bare_tok_s']:.1f} tok/s ({row['bare_steps']:.0f} steps), "
+              f"ours {row['sched_tok_s']:.1f} tok/s ({row['sched_steps']:.0f} steps), ratio "
+              f"{row['ratio']:.3f} (with clocks)")
+        print(f"  {'ms per step':<20} {'bare':>8} {'ours':>8} {'ours - bare':>12}")
+        for k in WORKER:
+            b, o = row["bare"][k], row["sched"][k]
+            print(f"  {k:<20} {b:>8.3f} {o:>8.3f} {o - b:>+12.3f}")
+        for k in LOOP:
+            print(f"  loop: {k:<14} {'':>8} {row['sched'][k]:>8.3f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "model": args.model, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "waves": args.waves, "repeat": args.repeat, "stream": args.stream,
+        "device": str(mx.default_device()), "mlx": mx.__version__, "python": sys.version.split()[0],
+        "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
+        "load_avg": list(__import__("os").getloadavg()),
+    }
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
