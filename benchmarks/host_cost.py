@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
 import statistics
 import sys
@@ -47,13 +48,17 @@ from overhead import bare_loop, make_prompts, scheduler_run  # noqa: E402
 
 WORKER = ["forward graph", "async_eval", "device wait", "sampling + rows", "engine", "post + commands",
           "GIL wait"]
-LOOP = ["handoff", "detokenize", "stop strings", "other on_step", "delivery", "other loop CPU"]
+LOOP = ["handoff", "detokenize", "stop strings", "other on_step", "admission take", "pool", "delivery",
+        "other loop CPU"]
 
 
 class Clocks:
-    """Wall and CPU seconds per phase, summed; `steps` decode steps were counted."""
+    """Wall and CPU seconds per phase, summed; `steps` decode steps were counted. The worker's
+    MLX phases count only inside `BatchGenerator.next` (`inside`), the rest of its evals being
+    the engine's."""
 
     def __init__(self) -> None:
+        self.inside = False
         self.wall: dict[str, float] = defaultdict(float)
         self.cpu: dict[str, float] = defaultdict(float)
         self.steps = 0
@@ -75,13 +80,15 @@ class Clocks:
             "detokenize": w["text"] - w["stop"],
             "stop strings": w["stop"],
             "other on_step": w["on_step"] - w["text"],
+            "admission take": w["take"],
+            "pool": w["pool"],
             "delivery": w["apply"],
         }
         cpu = {"forward graph": c["forward"], "sampling + rows": c["next"] - c["forward"] - c["async_eval"]
                - c["eval"], "engine": c["step"] - c["next"] if c["step"] else 0.0}
         out["GIL wait"] = max(0.0, sum(out[k] for k in python) - sum(cpu.values()))
         if self.loop_cpu:
-            out["other loop CPU"] = max(0.0, self.loop_cpu - w["on_step"] - w["apply"])
+            out["other loop CPU"] = max(0.0, self.loop_cpu - w["on_step"] - w["take"] - w["pool"] - w["apply"])
         return {k: 1e3 * v / s for k, v in out.items()}
 
 
@@ -89,13 +96,14 @@ CLOCKS: Clocks | None = None
 """The side being measured; None: the clocks are off."""
 
 
-def timed(name: str, fn: Any) -> Any:
-    """`fn` with its wall and CPU time added to CLOCKS[name]."""
+def timed(name: str, fn: Any, inside: bool = False) -> Any:
+    """`fn` with its wall and CPU time added to CLOCKS[name] (`inside`: only within
+    `BatchGenerator.next`)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         clocks = CLOCKS
-        if clocks is None:
+        if clocks is None or (inside and not clocks.inside):
             return fn(*args, **kwargs)
         t, c = time.perf_counter(), time.thread_time()
         try:
@@ -112,20 +120,23 @@ def install(model: Any) -> None:
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
+    import kvpool.pool as pool
     import scheduler.admission.actor as actor
     import scheduler.admission.core as core
     import scheduler.streaming.detokenize as detok
     import workers.batching.engine as engine
 
     cls = type(model)
-    cls.__call__ = timed("forward", cls.__call__)
-    mx.async_eval = timed("async_eval", mx.async_eval)
-    mx.eval = timed("eval", mx.eval)
+    cls.__call__ = timed("forward", cls.__call__, inside=True)
+    mx.async_eval = timed("async_eval", mx.async_eval, inside=True)
+    mx.eval = timed("eval", mx.eval, inside=True)
     engine.MLXEngine.step = timed("step", engine.MLXEngine.step)
     core.AdmissionCore.on_step = timed("on_step", core.AdmissionCore.on_step)
     detok.TextStream.add = timed("text", detok.TextStream.add)
     detok.StopText.feed = timed("stop", detok.StopText.feed)
     actor.Admission._apply = timed("apply", actor.Admission._apply)
+    core.AdmissionCore.take = timed("take", core.AdmissionCore.take)
+    pool.apply_batch = timed("pool", pool.apply_batch)
 
     # Decode steps (a step that output tokens), and the worker's time between two: on the bare
     # side its loop's own Python, on ours the engine's and the worker's (message, commands).
@@ -139,9 +150,11 @@ def install(model: Any) -> None:
         last = getattr(self, "_clock_last_end", None)
         if last is not None:
             clocks.wall["gap"] += t - last
+        clocks.inside = True
         try:
             result = next_(self)
         finally:
+            clocks.inside = False
             self._clock_last_end = end = time.perf_counter()
             clocks.wall["next"] += end - t
             clocks.cpu["next"] += time.thread_time() - c
@@ -171,6 +184,40 @@ def bare_counted(model: Any, prompts: list[list[int]], n: int, max_tokens: int, 
     return tokens / seconds, clocks
 
 
+def engine_counted(model: Any, prompts: list[list[int]], n: int, max_tokens: int, w: Any,
+                   vocab: int) -> tuple[float, Clocks]:
+    """Our engine alone, stepped on this thread in the bare loop's closed loop: what the engine
+    adds, apart from the threads and the event loop."""
+    global CLOCKS
+    from workers.batching.engine import MLXEngine
+    from workers.messages import Admit, SamplingSpec
+
+    e = MLXEngine(model, vocab_size=vocab, max_batch=n, prefill_batch=w.prefill_batch,
+                  prefill_step=w.prefill_step, step_token_budget=0)
+    todo = list(enumerate(prompts))
+    greedy = SamplingSpec()
+
+    def admit() -> None:
+        rid, prompt = todo.pop()
+        e.insert([Admit(rid, prompt, max_tokens, greedy, ())])
+
+    clocks = CLOCKS = Clocks()
+    tokens, start = 0, time.perf_counter()
+    try:
+        for _ in range(min(n, len(todo))):
+            admit()
+        while e.has_work():
+            r = e.step()
+            tokens += len(r.tokens)
+            for _ in r.finished:
+                if todo:
+                    admit()
+    finally:
+        CLOCKS = None
+        e.close()
+    return tokens / (time.perf_counter() - start), clocks
+
+
 def ours_counted(config: Any, prompts: list[list[int]], n: int, max_tokens: int, stream: bool) -> tuple[float, Clocks]:
     global CLOCKS
     clocks = CLOCKS = Clocks()
@@ -196,8 +243,12 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=2, help="requests per level = waves x concurrency")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved runs per side; medians count")
     ap.add_argument("--stream", action="store_true", help="our clients stream with generate()")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the whole run (CPython's default: 0.005 s)")
     ap.add_argument("--out", default="benchmarks/results/host_cost.json")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
 
     import mlx.core as mx
 
@@ -220,31 +271,39 @@ def main() -> None:
         warm = make_prompts(max(n, 8), args.prompt_tokens, info.vocab_size, n + 10**6)
         bare_loop(model, warm, n, args.max_tokens, w.prefill_batch, w.prefill_step)
         ours_counted(config, warm, n, args.max_tokens, args.stream)
+        engine_counted(model, warm, n, args.max_tokens, w, info.vocab_size)
         bare: list[tuple[float, Clocks]] = []
+        alone: list[tuple[float, Clocks]] = []
         ours: list[tuple[float, Clocks]] = []
         for _ in range(args.repeat):
             bare.append(bare_counted(model, prompts, n, args.max_tokens, w))
+            alone.append(engine_counted(model, prompts, n, args.max_tokens, w, info.vocab_size))
             ours.append(ours_counted(config, prompts, n, args.max_tokens, args.stream))
         row = {
             "concurrency": n,
             "bare_tok_s": statistics.median(t for t, _ in bare),
+            "engine_tok_s": statistics.median(t for t, _ in alone),
             "sched_tok_s": statistics.median(t for t, _ in ours),
             "bare": median_phases([c.per_step() for _, c in bare]),
+            "engine": median_phases([c.per_step() for _, c in alone]),
             "sched": median_phases([c.per_step() for _, c in ours]),
             "sched_steps": statistics.median(c.steps for _, c in ours),
             "bare_steps": statistics.median(c.steps for _, c in bare),
+            "engine_steps": statistics.median(c.steps for _, c in alone),
         }
         row["ratio"] = row["sched_tok_s"] / row["bare_tok_s"]
+        row["engine_ratio"] = row["engine_tok_s"] / row["bare_tok_s"]
         rows.append(row)
-        print(f"\nconcurrency {n}: bare {row['bare_tok_s']:.1f} tok/s ({row['bare_steps']:.0f} steps), "
-              f"ours {row['sched_tok_s']:.1f} tok/s ({row['sched_steps']:.0f} steps), ratio "
-              f"{row['ratio']:.3f} (with clocks)")
-        print(f"  {'ms per step':<20} {'bare':>8} {'ours':>8} {'ours - bare':>12}")
+        print(f"\nconcurrency {n} (tok/s with the clocks on): bare {row['bare_tok_s']:.1f} "
+              f"({row['bare_steps']:.0f} steps); engine alone {row['engine_tok_s']:.1f} "
+              f"({row['engine_steps']:.0f} steps, {row['engine_ratio']:.3f}x); scheduler "
+              f"{row['sched_tok_s']:.1f} ({row['sched_steps']:.0f} steps, {row['ratio']:.3f}x)")
+        print(f"  {'ms per step':<20} {'bare':>8} {'engine':>8} {'scheduler':>10} {'sched - bare':>13}")
         for k in WORKER:
-            b, o = row["bare"][k], row["sched"][k]
-            print(f"  {k:<20} {b:>8.3f} {o:>8.3f} {o - b:>+12.3f}")
+            b, e, o = row["bare"][k], row["engine"][k], row["sched"][k]
+            print(f"  {k:<20} {b:>8.3f} {e:>8.3f} {o:>10.3f} {o - b:>+13.3f}")
         for k in LOOP:
-            print(f"  loop: {k:<14} {'':>8} {row['sched'][k]:>8.3f}")
+            print(f"  loop: {k:<14} {'':>8} {'':>8} {row['sched'][k]:>10.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -252,7 +311,7 @@ def main() -> None:
         "waves": args.waves, "repeat": args.repeat, "stream": args.stream,
         "device": str(mx.default_device()), "mlx": mx.__version__, "python": sys.version.split()[0],
         "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
-        "load_avg": list(__import__("os").getloadavg()),
+        "load_avg": list(os.getloadavg()), "switch_interval": sys.getswitchinterval(),
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\nwrote {out}")

@@ -13,7 +13,7 @@ from workers.factory import Loaded
 from workers.loading.models import ModelInfo
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from workers.batching.budget import PrefillBudget
     from workers.messages import Admit, Key
@@ -86,6 +86,9 @@ class FakeEngine:
     evicted: list[Key] = field(default_factory=list)
     step_log: list[tuple[int, bool]] = field(default_factory=list)
     """(step, whether some request emitted its first token in it), in order."""
+    on_queue: Callable[[], None] | None = None
+    calls_on_queue: bool = True
+    """As the real engine: `on_queue` is called in each step, before its (fake) device work."""
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -108,6 +111,10 @@ class FakeEngine:
 
     def step(self) -> StepResult:
         self.gate.wait()
+        if self.calls_on_queue and self.on_queue is not None and any(
+            q.prefilled >= len(q.admit.prompt) for q in self.seqs.values()
+        ):
+            self.on_queue()  # a step that decodes
         if self.step_delay:
             time.sleep(self.step_delay)  # on the worker thread, like a real forward pass
         self.steps += 1

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, TypeVar
 import msgspec
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from workers.batching.engine import Engine, StepResult
     from workers.messages import Admit, Key
@@ -60,6 +60,18 @@ class FaultyEngine:
 
     def has_work(self) -> bool:
         return self._inner.has_work()
+
+    @property
+    def on_queue(self) -> Callable[[], None] | None:
+        return self._inner.on_queue
+
+    @on_queue.setter
+    def on_queue(self, hook: Callable[[], None] | None) -> None:
+        self._inner.on_queue = hook
+
+    @property
+    def calls_on_queue(self) -> bool:
+        return self._inner.calls_on_queue
 
     def held(self) -> int:
         return self._inner.held()

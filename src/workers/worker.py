@@ -76,6 +76,8 @@ class GPUWorker(Generic[InfoT]):
         self._handoff = threading.Event()
         self._held_back: list[StepOutput] = []
         """Outputs of quiet steps (prefill only), posted with the next step's: one wake-up."""
+        self._ahead: StepOutput | None = None
+        """A step's output, posted once the next step is queued on the device (see `_queued`)."""
 
     def send(self, command: WorkerCommand) -> None:
         """Hand a command to the worker thread; never blocks."""
@@ -127,6 +129,16 @@ class GPUWorker(Generic[InfoT]):
         except LoopClosed:  # the loop is gone: nobody is left to tell
             pass
 
+    def _queued(self) -> None:
+        """The engine has built the next step and is about to hand it to MLX, which releases
+        the GIL while it encodes and runs it: post the last step's output now, so that the event
+        loop applies it in that window rather than while the next graph is being built (both
+        need the GIL: measured, the loop's share of a step then lengthened the worker's step by
+        about twice as much)."""
+        out, self._ahead = self._ahead, None
+        if out is not None:
+            self._post(out)
+
     def _emit_all(self, events: list[WorkerEvent]) -> None:
         for event in events:
             self._emit(event)
@@ -146,6 +158,7 @@ class GPUWorker(Generic[InfoT]):
             self._post_started(None, exc)
             return
         self._post_started(info, None)
+        engine.on_queue = self._queued
         try:
             while not self._serve(engine):
                 pass
@@ -159,6 +172,7 @@ class GPUWorker(Generic[InfoT]):
             self._loop(engine)
             return True
         except Exception as exc:
+            self._queued()  # the last good step's output first
             message = f"{type(exc).__name__}: {exc}"
             lost = engine.rids()
             lost += [rid for rid in self._inserting if rid not in lost]
@@ -179,6 +193,7 @@ class GPUWorker(Generic[InfoT]):
         while True:
             pending: list[WorkerCommand] = []
             if not engine.has_work():
+                self._queued()
                 if self._held_back:
                     self._post(self._held_back.pop())
                 pending.append(commands.get())  # idle: block until there is something to do
@@ -208,6 +223,7 @@ class GPUWorker(Generic[InfoT]):
             self._inserting = []
             engine.remove(aborted)
             if stop:
+                self._queued()
                 if self._held_back:
                     self._post(self._held_back.pop())
                 return
@@ -221,6 +237,7 @@ class GPUWorker(Generic[InfoT]):
                 r = _NOTHING
             else:
                 continue
+            self._queued()  # a step without a decode: the last output goes now
             handoff = r.first and engine.has_work()
             out = StepOutput(
                 self._step, r.rids, r.tokens, r.finished, r.reasons, aborted, engine.held(),
@@ -231,6 +248,9 @@ class GPUWorker(Generic[InfoT]):
                 # Prefill only: nothing the loop must act on now. Waking it would take the GIL
                 # from the next step's graph building; it learns of this step with the next.
                 self._held_back.append(out)
+                continue
+            if not handoff and not self._held_back and engine.calls_on_queue and engine.has_work():
+                self._ahead = out  # posted from inside the next step (`_queued`)
                 continue
             self._handoff.clear()
             self._post(out)

@@ -31,7 +31,7 @@ from workers.batching.samplers import Samplers
 from workers.cuda import on_cuda
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from workers.batching.grammar import GrammarTokenizer
     from workers.messages import Admit, Key, Logprobs
@@ -94,6 +94,15 @@ class Engine(Protocol):
 
     def close(self) -> None: ...
 
+    on_queue: Callable[[], None] | None
+    """Called on the engine's thread inside `step`, once the step's decode is built and right
+    before it is handed to the device (None: not called)."""
+
+    @property
+    def calls_on_queue(self) -> bool:
+        """Whether a `step` that decodes calls `on_queue`."""
+        ...
+
 
 class MLXEngine:
     """Owns one `BatchGenerator`. Maps our rids to its uids and groups equal sampling specs."""
@@ -147,6 +156,7 @@ class MLXEngine:
         # cuDNN's attention on).
         self._queue_chunks = not on_cuda() if queue_chunks is None else queue_chunks
         self._prefill: PipelinedPrefill | None = None
+        self.on_queue: Callable[[], None] | None = None
         self._install()
         self.mask_free = MaskFreeDecode(mask_free)
         self.mask_free_unavailable = self.mask_free.unavailable or (
@@ -372,6 +382,16 @@ class MLXEngine:
 
     def _install(self) -> None:
         self._prefill = install(self._gen) if self._pipelined else None
+        if self._prefill is not None:
+            generation_batch(self._gen).on_queue = self._queued
+
+    def _queued(self) -> None:
+        if self.on_queue is not None:
+            self.on_queue()
+
+    @property
+    def calls_on_queue(self) -> bool:
+        return self._prefill is not None  # the hook lives in our generation batch
 
     def close(self) -> None:
         self._gen.close()

@@ -20,13 +20,16 @@ keep, and chunks block and clear as mlx-lm's do, which bounds a long prompt's me
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import structlog
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
 from workers.batching.mlxlm import missing_prefill_fields
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 log = structlog.get_logger("workers")
 # The module (`mlx_lm.generate` as an attribute is mlx-lm's generate function).
@@ -89,7 +92,26 @@ class PipelinedPrefill(PromptProcessingBatch):
 class JoiningBatch(GenerationBatch):
     """mlx-lm's generation batch whose new rows are not stepped when it is made: a row that
     joins is `priming` until the next step has fed it its last prompt token; that step's output
-    for it (the prompt token itself) is not a response and does not count towards its tokens."""
+    for it (the prompt token itself) is not a response and does not count towards its tokens.
+
+    `on_queue`, when set, is called inside each decode step once its graph is built, right
+    before mlx-lm hands it to MLX (`mx.async_eval`, which releases the GIL for as long as MLX
+    encodes and runs the step). mlx-lm's step sets `_next_tokens` (the sampled tokens) just
+    before that call, so the hook sits in that attribute's setter."""
+
+    on_queue: Callable[[], None] | None = None
+    _stepping = False
+    _tokens_ahead: Any = None
+
+    @property
+    def _next_tokens(self) -> Any:
+        return self._tokens_ahead
+
+    @_next_tokens.setter
+    def _next_tokens(self, value: Any) -> None:
+        self._tokens_ahead = value
+        if self._stepping and self.on_queue is not None:
+            self.on_queue()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._joining = True  # GenerationBatch.__init__ steps new rows at once: not here
@@ -105,7 +127,11 @@ class JoiningBatch(GenerationBatch):
     def _step(self) -> tuple[list[int], list[mx.array]]:
         if self._joining:
             return [], []
-        return super()._step()
+        self._stepping = True
+        try:
+            return super()._step()
+        finally:
+            self._stepping = False
 
     def extend(self, batch: Any) -> None:
         alone = not self.uids
