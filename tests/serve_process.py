@@ -50,14 +50,20 @@ class Server:
 
 
 @contextmanager
-def serve(cache: Path, tmp: Path, extra: str = "", *args: str) -> Iterator[Server]:
+def serve(cache: Path, tmp: Path, extra: str = "", *args: str, sigint_ignored: bool = False) -> Iterator[Server]:
     toml = tmp / "scheduler.toml"
     toml.write_text(f'[model]\npath = "synthetic:tiny"\ncache_dir = "{cache}"\n{extra}')
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "scheduler.cli", "serve", "--config", str(toml), "--port", "0", *args],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-    )
+    # The child inherits SIGINT's disposition: the default one unless the test asks for it ignored,
+    # as a shell script's background job gets it, whatever the disposition pytest runs under.
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN if sigint_ignored else signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "scheduler.cli", "serve", "--config", str(toml), "--port", "0", *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        )
+    finally:
+        signal.signal(signal.SIGINT, before)
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:

@@ -9,6 +9,7 @@ Only `uvicorn.protocols.http.h11_impl.H11Protocol`'s stable surface is used: `co
 from __future__ import annotations
 
 import asyncio
+import signal
 from typing import TYPE_CHECKING, Any
 
 import h11
@@ -21,6 +22,7 @@ from scheduler.serving.http.errors import ApiError, ErrorEnvelope
 
 if TYPE_CHECKING:
     import socket
+    from types import FrameType
 
     from scheduler.config import ServerSection
     from scheduler.serving.http.shutdown import Gate
@@ -112,6 +114,20 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self._gate = gate
         self._grace_s = grace_s
+        self._signals: list[int] = []
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._signals.append(sig)
+        super().handle_exit(sig, frame)
+
+    def run(self, sockets: list[socket.socket] | None = None) -> None:
+        super().run(sockets)
+        # uvicorn raises the signal that stopped it once more after shutting down, so that the
+        # exit status says why. A process started with the signal ignored (a background job of a
+        # shell script) would exit 0 instead: raise it again under its default disposition.
+        for sig in reversed(self._signals):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+            signal.raise_signal(sig)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._gate.begin()
