@@ -6,6 +6,8 @@ own, (d) `mlx_lm.server` and (e) `vllm-mlx` (with --vllm-mlx, the `vllm-mlx` exe
 separate venv), each started here on 127.0.0.1 and driven over HTTP by one and the same streaming
 client, (f) `sequential`: `mlx_lm.stream_generate`, one request at a time (FIFO). (c) runs with
 the same [worker]/[kvpool] settings as (b), so `served / scheduler` is what HTTP costs.
+`ray`: the same settings as one replica on Ray Serve (`ray_one.py`, the path of `serve
+--replicas N`; needs the cluster extra), so `ray / served` is what the Ray path costs.
 
 (g) `mlx_lm.server-installed`: mlx_lm.server on the BLAS its wheel bundles (no LD_PRELOAD),
 (h) `llama.cpp` (with --llama-cpp PYTHON, a venv holding `llama-cpp-python[server]`): its
@@ -54,12 +56,12 @@ from scheduler.cli.bench.targets import OpenAITarget, Record, Sampling, Schedule
 from workers.blas import blas_state, preload
 from workers.loading.models import load_model, parse_synthetic, resolve_model
 
-BACKENDS = ("bare", "scheduler", "served", "mlx_lm.server", "mlx_lm.server-installed",
+BACKENDS = ("bare", "scheduler", "served", "ray", "mlx_lm.server", "mlx_lm.server-installed",
             "vllm-mlx", "llama.cpp", "sequential")
 DEFAULT_BACKENDS = ("bare", "scheduler", "served", "mlx_lm.server", "sequential")
-HTTP_BACKENDS = ("served", "mlx_lm.server", "mlx_lm.server-installed", "vllm-mlx",
+HTTP_BACKENDS = ("served", "ray", "mlx_lm.server", "mlx_lm.server-installed", "vllm-mlx",
                  "llama.cpp")
-SERVED = ("served",)
+SERVED = ("served", "ray")
 """Ours over HTTP: `mlx-scheduler serve` in a process of its own."""
 NO_IGNORE_EOS = ("mlx_lm.server", "mlx_lm.server-installed", "llama.cpp")
 """Peers whose API has no `ignore_eos`: with --eos ignore their requests may still stop at EOS."""
@@ -288,9 +290,14 @@ def http_server(backend: str, model_dir: Path, n: int, worker: str, vllm_mlx: st
                            env=env, health_path="/v1/models")
     if backend in SERVED:
         toml = tmp / f"{backend}-{n}.toml"
-        toml.write_text(our_toml(model_dir, n, worker))
+        # "ray:key=value,..." sets [cluster] keys instead, e.g. stream_interval_s=0
+        toml.write_text(our_toml(model_dir, n, worker) if backend == "served"
+                        else f"{our_toml(model_dir, n, '')}[cluster]\n{worker}\n")
         cmd = [sys.executable, "-m", "scheduler.cli", "serve", "--config", str(toml),
                "--host", "127.0.0.1", "--port", "{port}"]
+        if backend == "ray":  # the same settings, one replica on Ray Serve
+            cmd = [sys.executable, str(Path(__file__).with_name("ray_one.py")), "--config", str(toml),
+                   "--port", "{port}"]
         return MlxLmServer(model_dir, command=cmd, log_path=tmp / f"{backend}-{n}.log", start_timeout_s=300)
     assert backend == "vllm-mlx" and vllm_mlx is not None
     cmd = [vllm_mlx, "serve", str(model_dir), "--host", "127.0.0.1", "--port", "{port}",
@@ -331,7 +338,8 @@ def run_backend(backend: str, model: object, tokenizer: object, model_dir: Path,
     """One timed run; `warm` (other prompts) first runs untimed through the same backend (for
     a server, in the same server process), so that kernel compilation is not timed."""
     name, _, keys = backend.partition(":")
-    # "scheduler:key=value,..." (or "served:...") sets [worker] keys, e.g. step_token_budget=0
+    # "scheduler:key=value,..." (or "served:...") sets [worker] keys, e.g. step_token_budget=0;
+    # "ray:..." sets [cluster] keys
     worker = "\n".join(kv.replace("=", " = ") for kv in keys.split(",") if kv)
     if name in HTTP_BACKENDS:
         with http_server(name, model_dir, n, worker, vllm_mlx, tmp, llama_cpp) as server:
@@ -399,6 +407,10 @@ def ratios_of(ours: dict[str, object], rows: list[dict[str, object]]) -> dict[st
     inproc = same.get("scheduler" + str(ours["backend"])[len(name):])
     if name in SERVED and inproc is not None and float(inproc["tok_s"]) > 0:  # type: ignore[arg-type]
         out["tok/s / in-process"] = tok / float(inproc["tok_s"])  # type: ignore[arg-type]
+    served = same.get("served")
+    if name == "ray" and served is not None and float(served["tok_s"]) > 0:  # type: ignore[arg-type]
+        out["tok/s / served"] = tok / float(served["tok_s"])  # type: ignore[arg-type]
+        out["TTFT p99 / served"] = float(ours["ttft_p99_ms"]) / float(served["ttft_p99_ms"])  # type: ignore[arg-type]
     for peer in ("mlx_lm.server", "mlx_lm.server-installed", "vllm-mlx", "llama.cpp"):
         other = same.get(peer)
         if other is not None and float(other["tok_s"]) > 0:  # type: ignore[arg-type]
@@ -463,7 +475,7 @@ def main() -> None:
                     help="runs of each backend, interleaved; the table keeps each one's best (noisy hosts)")
     ap.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS),
                     help=f"of {', '.join(BACKENDS)}; 'scheduler:KEY=VALUE,...' and 'served:...' set "
-                         "[worker] keys (default: all but vllm-mlx)")
+                         "[worker] keys, 'ray:...' [cluster] keys (default: all but vllm-mlx)")
     ap.add_argument("--vllm-mlx", metavar="EXE",
                     help="the vllm-mlx executable of its own venv; adds the vllm-mlx backend")
     ap.add_argument("--warmup", type=int, default=1, choices=(0, 1),

@@ -181,7 +181,7 @@ async def test_a_full_replica_queue_is_429_and_a_dead_replica_an_error_chunk() -
     answer = from_scheduler(caught.value, "req-1")
     assert (answer.status, answer.body.code) == (429, "queue_full")
 
-    gen = FakeGenerator([("chunk", Chunk(1, "hi", [5]))], then=RuntimeError("ActorDiedError"))
+    gen = FakeGenerator([("chunks", [Chunk(1, "hi", [5])])], then=RuntimeError("ActorDiedError"))
     async with RemoteStream(gen, "r2") as dying:
         assert (await dying.__anext__()).text == "hi"
         last = await dying.__anext__()
@@ -191,7 +191,26 @@ async def test_a_full_replica_queue_is_429_and_a_dead_replica_an_error_chunk() -
             await dying.__anext__()
     assert not gen.cancelled  # it ended on its own: nothing left to cancel
 
-    live = FakeGenerator([("chunk", Chunk(1, "a", [5]))])
+    live = FakeGenerator([("chunks", [Chunk(1, "a", [5])])])
     async with RemoteStream(live, "r3") as stream:
         await stream.__anext__()
     assert live.cancelled  # left before its end (a client gone): the replica's request is cancelled
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_chunks_that_came_in_one_item_are_ready_at_once_and_the_last_final_ends_the_stream() -> None:
+    from scheduler.serving.cluster.frontend import RemoteStream
+    from scheduler.types import Chunk
+
+    gen = FakeGenerator([("chunks", [Chunk(1, "a", [5]), Chunk(1, "b", [6])]),
+                         ("chunks", [Chunk(1, "c", [7]), Chunk(1, "", [], "length")])])
+    async with RemoteStream(gen, "r4") as stream:
+        assert (await stream.__anext__()).text == "a"
+        assert [c.text for c in stream.ready()] == ["b"]  # came with "a": no wait for it
+        assert stream.ready() == []
+        assert (await stream.__anext__()).text == "c"
+        assert [c.finish_reason for c in stream.ready()] == ["length"]
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+    assert not gen.cancelled and gen.items == []  # it ended with its final chunk

@@ -189,3 +189,29 @@ async def test_chat_prompt_uses_the_template(model_cache: Path) -> None:
             assert done.prompt_tokens == len(ids)
             with pytest.raises(InvalidRequest, match="messages"):
                 s.chat_prompt([{"role": "user"}])
+
+
+async def test_ready_by_gathers_until_its_deadline_or_the_end_and_loses_nothing(model_cache: Path) -> None:
+    prompt = prompts(1, seed=21)[0]
+    greedy = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    with anyio.fail_after(60):
+        async with Scheduler(tiny(model_cache)) as s:
+            whole = await s.complete(prompt, greedy)
+            tokens: list[int] = []
+            batches: list[int] = []
+            async with s.generate(prompt, greedy) as stream:
+                async for chunk in stream:
+                    if not tokens:  # a deadline already past: what is there, no wait, no cancel
+                        more = await stream.ready_by(anyio.current_time() - 1)
+                    else:  # a far deadline: the final chunk ends the wait, not the deadline
+                        started = anyio.current_time()
+                        more = await stream.ready_by(started + 30)
+                        assert anyio.current_time() - started < 10
+                        assert more and more[-1].finish_reason == "length"
+                    batch = [chunk, *more]
+                    batches.append(len(batch))
+                    tokens += [t for c in batch for t in c.token_ids]
+            assert tokens == whole.token_ids  # every token once, in order
+            assert len(batches) == 2 and stream.request_id is not None
+            await wait_idle(s)
+            assert s.stats().running == 0 and s.stats().blocks_free == s.stats().blocks_total

@@ -108,6 +108,27 @@ class RequestStream:
                 self._final()
         return out
 
+    async def ready_by(self, deadline: float) -> list[Chunk]:
+        """The chunks that arrive until `deadline` (`anyio.current_time()`'s clock), or until a
+        final one does, whichever is first; call it after the first chunk. For a transport that
+        pays per message rather than per token: the stream goes on intact after the deadline
+        (nothing is lost or cancelled by it)."""
+        out = self.ready()
+        recv = self._recv
+        while recv is not None and not self._done and all(c.finish_reason is None for c in out):
+            with anyio.CancelScope(deadline=deadline) as scope:
+                try:
+                    chunk = await recv.receive()  # takes a chunk only when it returns one
+                except anyio.EndOfStream:
+                    break  # the next __anext__ says so
+            if scope.cancelled_caught:
+                break
+            out.append(chunk)
+            if chunk.finish_reason is not None:
+                self._final()
+            out += self.ready()
+        return out
+
     def _abandon(self) -> None:
         if self._done:
             return

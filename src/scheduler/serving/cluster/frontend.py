@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import time
 import uuid
+from collections import deque
 from typing import TYPE_CHECKING, Any, cast
 
 import anyio
@@ -73,6 +75,7 @@ class RemoteStream:
         self.replica = replica
         self._ended = False
         self._finals_left = choices
+        self._here: deque[Chunk] = deque()
 
     async def __aenter__(self) -> RemoteStream:
         return self
@@ -89,11 +92,15 @@ class RemoteStream:
         return self
 
     def ready(self) -> list[Chunk]:
-        """Chunks already here without waiting: none, since each comes from the replica by an
-        await (`EventStream` coalesces only what a local stream has buffered)."""
-        return []
+        """The rest of the chunks that came in the replica's last item, without waiting: they go
+        out with the first as one event (`EventStream` coalesces them)."""
+        out = list(self._here)
+        self._here.clear()
+        return out
 
     async def __anext__(self) -> Chunk:
+        if self._here:
+            return self._here.popleft()
         if self._ended:
             raise StopAsyncIteration
         try:
@@ -108,11 +115,11 @@ class RemoteStream:
         if item[0] == "error":
             self._ended = True
             raise errors.by_name(item[1], item[2])
-        chunk: Chunk = item[1]
-        if chunk.finish_reason is not None:
-            self._finals_left -= 1
-            self._ended = self._finals_left == 0
-        return chunk
+        chunks: list[Chunk] = item[1]
+        self._finals_left -= sum(c.finish_reason is not None for c in chunks)
+        self._ended = self._finals_left <= 0
+        self._here.extend(chunks[1:])
+        return chunks[0]
 
 
 class ClusterEventStream(EventStream):
@@ -124,11 +131,20 @@ class ClusterEventStream(EventStream):
         return super()._failure(chunk)
 
 
+def grpc_by_default() -> bool:
+    """Whether Serve in this process sends handle calls over gRPC (`RAY_SERVE_USE_GRPC_BY_DEFAULT`)."""
+    return os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT", "0") == "1"
+
+
 class Frontend:
     """The ingress deployment (one replica): `__call__` takes every HTTP request."""
 
     def __init__(self, backend: DeploymentHandle, config: SchedulerConfig, model_name: str | None) -> None:
         self._backend = backend
+        # A handle's options travel with it from the process that built the application: the
+        # replicas' streams go by value over gRPC where this process's Serve runs gRPC
+        # (`cluster.app.start_ray` turns it on), as its own default handles would.
+        self._streams = backend.options(stream=True, _by_reference=not grpc_by_default())
         self._closing = False
         self._inflight = 0
         self._created = int(time.time())
@@ -281,7 +297,7 @@ class Frontend:
                    whole: Callable[[rs.Head, Gather], Any], dialect: Dialect = OPENAI) -> Response:
         for attempt in range(OPENING_TRIES):
             # A replica that died before its first word produced nothing: try the survivors.
-            gen = self._backend.options(stream=True).generate.remote(job)
+            gen = self._streams.generate.remote(job)
             try:
                 opening = await gen.__anext__()
                 break

@@ -2,8 +2,11 @@
 Ray actor process. Imports no Ray at module level; `cluster.app` wraps it with `serve.deployment`.
 
 `generate` streams tuples, so the frontend learns which replica serves before the first token:
-("replica", id), then ("chunk", Chunk)..., or ("error", kind, message) when the scheduler refuses
-the request (bad input, full queue, closing)."""
+("replica", id), then ("chunks", [Chunk, ...])..., or ("error", kind, message) when the scheduler
+refuses the request (bad input, full queue, closing). Each item carries every chunk that had
+arrived by then; under load, a stream's chunks wait for one another (`[cluster]
+stream_messages_per_s`, `stream_interval_s`), as each item costs the same through Ray whatever
+it carries."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import msgspec
 import structlog
 
@@ -55,6 +59,7 @@ class SchedulerReplica:
         self._stop = asyncio.Event()
         self._failure: BaseException | None = None
         self._served: OrderedDict[int, None] = OrderedDict()
+        self._streams = 0  # open `generate` streams, which share `stream_messages_per_s`
         self._owner = asyncio.get_running_loop().create_task(self._own())
         await self._ready.wait()
         if self._failure is not None:
@@ -90,17 +95,26 @@ class SchedulerReplica:
 
     async def generate(self, job: Job) -> AsyncIterator[tuple[Any, ...]]:
         yield ("replica", self._id)
+        c = self._config.cluster
+        self._streams += 1
         try:
             stream = self.sched.submit(job.request)
             async with stream:
-                first = True
+                sent, shown = None, False
                 async for chunk in stream:
-                    if first:
+                    if sent is None:
                         self._remember(job.keys)
-                        first = False
-                    yield ("chunk", chunk)
+                    chunks = [chunk, *stream.ready()]
+                    # Until some text has gone (TTFT), and at the end, nothing waits.
+                    wait = min(c.stream_interval_s, self._streams / c.stream_messages_per_s)
+                    if shown and sent is not None and all(x.finish_reason is None for x in chunks):
+                        chunks += await stream.ready_by(sent + wait)
+                    yield ("chunks", chunks)
+                    sent, shown = anyio.current_time(), shown or any(x.text for x in chunks)
         except SchedulerError as exc:
             yield ("error", type(exc).__name__, str(exc))
+        finally:
+            self._streams -= 1
 
     def _remember(self, keys: tuple[int, ...]) -> None:
         for key in keys:
