@@ -422,3 +422,39 @@ async def test_a_step_that_fails_to_apply_fails_the_actor_and_no_caller_waits(
     assert len(errors) == 1 and "stopped" in str(errors[0])
     assert isinstance(info.value, ExceptionGroup)
     assert [str(e) for e in info.value.exceptions] == ["injected failure applying a step"]
+
+
+async def test_a_step_never_overtakes_a_message_already_handed_to_the_waiting_actor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A message sent to an actor suspended in its receive goes straight to it, not to the
+    # buffer; a step posted before the actor resumes must wait behind it, not be applied first.
+    from scheduler.admission.messages import Cancel
+
+    order: list[str] = []
+    on_step, cancel = AdmissionCore.on_step, AdmissionCore.cancel
+
+    def record_step(self: AdmissionCore, out: StepOutput, now: float) -> None:
+        order.append(f"step {out.step}")
+        on_step(self, out, now)
+
+    def record_cancel(self: AdmissionCore, rid: int, now: float) -> None:
+        order.append(f"cancel {rid}")
+        cancel(self, rid, now)
+
+    monkeypatch.setattr(AdmissionCore, "on_step", record_step)
+    monkeypatch.setattr(AdmissionCore, "cancel", record_cancel)
+    with anyio.fail_after(10):
+        async with Scheduler(engine_factory=fake_factory(FakeEngine())) as s:
+            await s.complete([1, 2], SamplingParams(max_tokens=3))
+            await wait_idle(s)
+            order.clear()
+            actor = s._admission
+            assert actor is not None
+            while actor._inbox.statistics().tasks_waiting_receive == 0:  # suspended in receive
+                await anyio.sleep(0.01)
+            actor.send.send_nowait(Cancel(12345))  # handed to the waiting actor at once
+            actor.post(StepOutput(10**6, [], [], [], [], [], 0, 0.0, 0.0))
+            while len(order) < 2:
+                await anyio.sleep(0.01)
+    assert order == ["cancel 12345", f"step {10**6}"]

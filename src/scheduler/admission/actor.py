@@ -104,11 +104,13 @@ class Admission:
             pass  # the actor has finished: nothing is live any more
 
     def _takes_step_now(self) -> bool:
-        """The actor is suspended waiting for a message, none is queued, and it is not closing
-        (closing ends its loop once every request has ended, which a message must wake)."""
+        """The actor is suspended waiting for a message, none has been handed to it since (a
+        message sent to a waiting receiver skips the buffer: a step applied here before the actor
+        resumes would overtake it), and it is not closing (closing ends its loop once every
+        request has ended, which a message must wake)."""
         return (
             self._waiting and self.core.closed is None
-            and self._inbox.statistics().current_buffer_used == 0
+            and self._inbox.statistics().tasks_waiting_receive > 0
         )
 
     # ---- the loop ----------------------------------------------------------------------------
