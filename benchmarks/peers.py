@@ -293,11 +293,9 @@ def http_server(backend: str, model_dir: Path, n: int, worker: str, vllm_mlx: st
         # "ray:key=value,..." sets [cluster] keys instead, e.g. stream_interval_s=0
         toml.write_text(our_toml(model_dir, n, worker) if backend == "served"
                         else f"{our_toml(model_dir, n, '')}[cluster]\n{worker}\n")
-        cmd = [sys.executable, "-m", "scheduler.cli", "serve", "--config", str(toml),
-               "--host", "127.0.0.1", "--port", "{port}"]
-        if backend == "ray":  # the same settings, one replica on Ray Serve
-            cmd = [sys.executable, str(Path(__file__).with_name("ray_one.py")), "--config", str(toml),
-                   "--port", "{port}"]
+        # "ray": the same settings, one replica on Ray Serve
+        entry = ["-m", "scheduler.cli", "serve"] if backend == "served" else [str(Path(__file__).with_name("ray_one.py"))]
+        cmd = [sys.executable, *entry, "--config", str(toml), "--host", "127.0.0.1", "--port", "{port}"]
         return MlxLmServer(model_dir, command=cmd, log_path=tmp / f"{backend}-{n}.log", start_timeout_s=300)
     assert backend == "vllm-mlx" and vllm_mlx is not None
     cmd = [vllm_mlx, "serve", str(model_dir), "--host", "127.0.0.1", "--port", "{port}",

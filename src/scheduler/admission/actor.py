@@ -65,8 +65,6 @@ class Admission:
         # here), the worker posts one message per step and must never block, the pool one per
         # batch, and a Cancel sent from a finalizer cannot wait.
         self.send, self._inbox = anyio.create_memory_object_stream[Inbox](math.inf)
-        self._waiting = False
-        """The actor's task is suspended in `_receive` on an empty inbox."""
         self._soon: LoopCaller | None = None
 
     # ---- views -------------------------------------------------------------------------------
@@ -104,14 +102,11 @@ class Admission:
             pass  # the actor has finished: nothing is live any more
 
     def _takes_step_now(self) -> bool:
-        """The actor is suspended waiting for a message, none has been handed to it since (a
-        message sent to a waiting receiver skips the buffer: a step applied here before the actor
-        resumes would overtake it), and it is not closing (closing ends its loop once every
-        request has ended, which a message must wake)."""
-        return (
-            self._waiting and self.core.closed is None
-            and self._inbox.statistics().tasks_waiting_receive > 0
-        )
+        """The actor's task is suspended in `_receive` (the inbox's only receiver) and no message
+        has been handed to it since (a message sent to a waiting receiver skips the buffer: a
+        step applied here before the actor resumes would overtake it), and it is not closing
+        (closing ends its loop once every request has ended, which a message must wake)."""
+        return self.core.closed is None and self._inbox.statistics().tasks_waiting_receive > 0
 
     # ---- the loop ----------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -153,11 +148,7 @@ class Admission:
         try:
             msg = inbox.receive_nowait()
         except anyio.WouldBlock:
-            self._waiting = True
-            try:
-                msg = await inbox.receive()
-            finally:
-                self._waiting = False
+            msg = await inbox.receive()
         now = time.perf_counter()
         handoff = self._handle(msg, now)
         while True:

@@ -5,12 +5,21 @@ Importing this package needs no Ray; running it needs the `cluster` extra (`ray[
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import argparse
 
     from scheduler.config import SchedulerConfig
+
+GRPC_ENV = "RAY_SERVE_USE_GRPC_BY_DEFAULT"
+"""Serve's switch for gRPC between its proxy and the replicas; a local Ray starts with it on."""
+
+
+def grpc_by_default() -> bool:
+    """Whether Serve in this process sends handle calls over gRPC (`GRPC_ENV`)."""
+    return os.environ.get(GRPC_ENV, "0") == "1"
 
 
 def serve_replicas(args: argparse.Namespace, config: SchedulerConfig, replicas: int) -> None:

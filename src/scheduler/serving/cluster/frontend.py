@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import time
 import uuid
 from collections import deque
@@ -20,6 +19,7 @@ from starlette.responses import Response
 from scheduler import errors
 from scheduler.admission.kvplan import prompt_keys
 from scheduler.request import chat_template_ids
+from scheduler.serving.cluster import grpc_by_default
 from scheduler.serving.cluster.prom import merge
 from scheduler.serving.cluster.replica import Job
 from scheduler.serving.cluster.routing import ROUTERS
@@ -129,11 +129,6 @@ class ClusterEventStream(EventStream):
         if chunk.request_id == REPLICA_FAILED:
             return self._dialect.error(replica_failed(self.headers.get(REPLICA_HEADER, "unknown")))
         return super()._failure(chunk)
-
-
-def grpc_by_default() -> bool:
-    """Whether Serve in this process sends handle calls over gRPC (`RAY_SERVE_USE_GRPC_BY_DEFAULT`)."""
-    return os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT", "0") == "1"
 
 
 class Frontend:

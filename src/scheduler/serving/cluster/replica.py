@@ -106,8 +106,8 @@ class SchedulerReplica:
                         self._remember(job.keys)
                     chunks = [chunk, *stream.ready()]
                     # Until some text has gone (TTFT), and at the end, nothing waits.
-                    wait = min(c.stream_interval_s, self._streams / c.stream_messages_per_s)
                     if shown and sent is not None and all(x.finish_reason is None for x in chunks):
+                        wait = min(c.stream_interval_s, self._streams / c.stream_messages_per_s)
                         chunks += await stream.ready_by(sent + wait)
                     yield ("chunks", chunks)
                     sent, shown = anyio.current_time(), shown or any(x.text for x in chunks)
