@@ -9,6 +9,11 @@
     first warms them up once (not measured).
 (b) Throughput: `--tp-requests` requests of `--tp-prompt-tokens` random tokens, `--tp-max-tokens`
     generated (ignore_eos), all at once, on 1 and on 2 replicas: generated tokens/s.
+(c) A replica killed mid-run: `--kill-requests` such requests at `--kill-concurrency` on 2
+    replicas; `--kill-after` seconds in, SIGKILL to the replica holding the most. Every request's
+    outcome (completed, an error event and its code, a broken stream, an HTTP status), which
+    replica it was on, how long Serve takes to bring a replacement into the routing, and a
+    check afterwards that both replicas serve.
 
 One local Ray for the whole run (127.0.0.1, no dashboard); each variant is a fresh Serve app.
 A table on stdout and JSON (`--out`).
@@ -22,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import random
+import signal
 import socket
 import statistics
 import sys
@@ -181,8 +188,96 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
     return rows
 
 
+async def outcome(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> tuple[str, int, str]:
+    """(how it ended, tokens generated, replica): "ok", an error event's code, "broken" (the
+    stream ended with neither [DONE] nor an error), or "http <status>"."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    ended, tokens, replica = "broken", 0, "?"
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as reply:
+            if reply.status_code != 200:
+                return f"http {reply.status_code}", 0, "?"
+            replica = reply.headers.get("x-replica", "?")
+            error = None
+            async for line in reply.aiter_lines():
+                if line == "data: [DONE]":
+                    ended = error or "ok"
+                elif line.startswith("data:"):
+                    event = msgspec.json.decode(line[5:])
+                    if "error" in event:
+                        error = str(event["error"].get("code", "error"))
+                    elif event.get("usage"):
+                        tokens = int(event["usage"]["completion_tokens"])
+    except httpx.HTTPError:
+        pass
+    return ended, tokens, replica
+
+
+async def replacement(client: httpx.AsyncClient, before: set[str], victim: str, limit_s: float) -> float:
+    """Seconds until two replicas answer /health again, the victim not among them (nan: not within `limit_s`)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        now = {r["replica"] for r in (await client.get("/health")).json()["replicas"]}
+        if len(now) == len(before) and victim not in now:
+            return time.perf_counter() - t0
+        await asyncio.sleep(0.5)
+    return float("nan")
+
+
+async def part_c(args: argparse.Namespace, url: str, vocab: int) -> list[dict[str, Any]]:
+    from ray import serve
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(10, vocab) for _ in range(args.tp_prompt_tokens)] for _ in range(args.kill_requests + 32)]
+    prompts, checks = prompts[:-32], prompts[-32:]
+    cfg = config(args, args.tp_memory)
+    await asyncio.to_thread(deploy, cfg, 2, device=pick_device(cfg.cluster))
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        await run_all(client, prompts[:4], 4, 4)  # warm-up
+        before = {r["replica"]: r["pid"] for r in (await client.get("/health")).json()["replicas"]}
+        sem = asyncio.Semaphore(args.kill_concurrency)
+
+        async def go(p: list[int]) -> tuple[str, int, str, float]:
+            async with sem:
+                ended, tokens, replica = await outcome(client, p, args.tp_max_tokens)
+                return ended, tokens, replica, time.perf_counter()
+
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(go(p)) for p in prompts]
+        await asyncio.sleep(args.kill_after)
+        in_flight = (await client.get("/health")).json()["in_flight"]
+        victim = max(before, key=lambda r: in_flight.get(r, 0))
+        os.kill(before[victim], signal.SIGKILL)
+        killed = time.perf_counter()
+        back = asyncio.create_task(replacement(client, set(before), victim, 300))
+        out = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+        back_s = await back
+        after = await run_all(client, checks, 8, len(checks))
+    ends = collections.Counter(f"{o[0]} ({'killed' if o[2] == victim else 'other'} replica)" for o in out)
+    ok_after = [o for o in out if o[0] == "ok" and o[3] > killed]
+    row = {"part": "c", "variant": "2 replicas, one killed", "replicas": 2, "requests": len(out),
+           "kill_after_s": args.kill_after, "in_flight_at_kill": in_flight, "outcomes": dict(ends),
+           # anything but a completion, or the killed replica's own error event
+           "lost": sum(1 for o in out if o[0] != "ok" and (o[0], o[2]) != ("replica_failed", victim)),
+           "replacement_s": back_s, "wall_s": wall,
+           "tokens_per_s": sum(o[1] for o in out if o[0] == "ok") / wall,
+           "tokens_per_s_after_kill": sum(o[1] for o in ok_after) / max(1e-9, max(o[3] for o in out) - killed),
+           "check_per_replica": dict(collections.Counter(o[2] for o in after)),
+           "check_tokens": sum(o[1] for o in after)}
+    print_row(row)
+    serve.delete(APP_NAME)
+    return [row]
+
+
 def print_row(r: dict[str, Any]) -> None:
-    if r["part"] == "a":
+    if r["part"] == "c":
+        print(f"  {r['variant']}: {r['requests']} requests, in flight at the kill {r['in_flight_at_kill']}, "
+              f"outcomes {r['outcomes']}, lost {r['lost']}; replacement in {r['replacement_s']:.1f} s; "
+              f"{r['tokens_per_s']:.0f} tok/s overall, {r['tokens_per_s_after_kill']:.0f} after the kill; "
+              f"afterwards {r['check_per_replica']}", flush=True)
+    elif r["part"] == "a":
         print(f"  ratio {r['ratio']:<4} {r['variant']:<13} prefixes {r['prefixes']:>3}  hit {r['hit_rate']:6.1%}  "
               f"TTFT p50 {r['ttft_p50_ms']:7.1f} ms  p99 {r['ttft_p99_ms']:7.1f} ms  per replica {r['per_replica']}",
               flush=True)
@@ -211,11 +306,14 @@ def main() -> None:
     p.add_argument("--tp-prompt-tokens", type=int, default=64)
     p.add_argument("--tp-max-tokens", type=int, default=64)
     p.add_argument("--tp-memory", default="1GiB")
+    p.add_argument("--kill-requests", type=int, default=256)
+    p.add_argument("--kill-concurrency", type=int, default=64)
+    p.add_argument("--kill-after", type=float, default=3.0)
     p.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     p.add_argument("--out", default="benchmarks/results/cluster.json")
     args = p.parse_args()
     if args.quick:
-        args.requests, args.tp_requests, args.tp_max_tokens = 48, 8, 16
+        args.requests, args.tp_requests, args.tp_max_tokens, args.kill_requests = 48, 8, 16, 16
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
     from ray import serve
@@ -236,6 +334,10 @@ def main() -> None:
         if "b" in args.parts:
             print(f"(b) throughput: {args.tp_requests} requests x {args.tp_max_tokens} tokens, all at once", flush=True)
             rows += asyncio.run(part_b(args, url, facts[2]))
+        if "c" in args.parts:
+            print(f"(c) a replica killed {args.kill_after} s into {args.kill_requests} requests at concurrency "
+                  f"{args.kill_concurrency}", flush=True)
+            rows += asyncio.run(part_c(args, url, facts[2]))
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -29,6 +29,15 @@
 #               the GPU (qwen2.5-0.5b only: its step is host-bound). Not a default stage; needs
 #               ray[serve] (the cluster extra) staged by benchmarks/stage_ray.sh in two halves
 #               (Ray's wheels are ~117 MB, over one call's carry): two more calls, see its header.
+#   ray-path    benchmarks/peers.py at $RAY_CONC (1 64 256): the in-process scheduler, `serve` and one
+#               Ray Serve replica (`ray_one.py`) side by side on one GPU, the Ray path's cost
+#               (qwen2.5-0.5b only; RAY_BACKENDS adds variants such as ray:stream_interval_s=0)
+#   cluster2    benchmarks/cluster.py on two GPUs, one replica each (8 CPUs each), $CLUSTER_PARTS
+#               (default b): (a) prefix routing, ours against power-of-two, 512-token prefixes
+#               in 1024-block pools; (b) tokens/s on 1 and 2 replicas, 256 requests x 64 tokens
+#               at once; (c) a replica killed 4 s into 512 requests at concurrency 128. Model
+#               names in $MODELS may be named models (smollm2-135m, staged by
+#               benchmarks/stage_smollm2.sh); both need Ray staged (the cluster stage)
 #   served      benchmarks/peers.py at 1 8 64: our server over HTTP beside the in-process
 #               scheduler and mlx_lm.server, one client for all (the served path should keep >= 0.97x of in-process at 64)
 #   served-8b   the same for Llama-3.1-8B's shape (benchmarks/shapes.py builds it, ~16 GB, once),
@@ -44,12 +53,13 @@ limit=${LIMIT_S:-400}
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(decode overhead peers-low peers-high)
 read -r -a models <<< "${MODELS:-qwen2.5-0.5b llama-3.2-1b}"
+spec() { case $1 in smollm2-135m|*:*|*/*) echo "$1" ;; *) echo "synthetic:$1" ;; esac; }
 date -u +"%F %T UTC"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import sys, mlx.core as mx, mlx_lm, transformers; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, "transformers", transformers.__version__, "python", sys.version.split()[0], mx.default_device(), mx.device_info().get("device_name"))'
 for m in "${models[@]}"; do
-  echo "=== $(date +%T) build synthetic:$m"
-  timeout "$limit" python3 -c "import time; t=time.time(); from workers.loading.models import resolve_model; print(resolve_model('synthetic:$m'), round(time.time()-t,1), 's')"
+  echo "=== $(date +%T) build $(spec "$m")"
+  timeout "$limit" python3 -c "import time; t=time.time(); from workers.loading.models import resolve_model; print(resolve_model('$(spec "$m")'), round(time.time()-t,1), 's')"
 done
 for s in "${stages[@]}"; do
   for m in "${models[@]}"; do
@@ -114,6 +124,17 @@ for s in "${stages[@]}"; do
         timeout "$limit" python3 -P benchmarks/cluster.py --parts b --model "synthetic:$m" --device cuda \
           --gpus-per-replica 0.5 --cpus-per-replica 4 --max-batch 128 --tp-requests ${TP_REQUESTS:-256} \
           --tp-prompt-tokens 128 --tp-max-tokens 64 --tp-memory 16GiB --out "$out/cluster-$m.json" ;;
+      ray-path)
+        [ "$m" = qwen2.5-0.5b ] || continue
+        timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency ${RAY_CONC:-1 64 256} \
+          --warmup 1 --repeat ${REPEAT:-1} --backends ${RAY_BACKENDS:-scheduler served ray} \
+          --out "$out/ray-path-$m.json" ;;
+      cluster2)
+        timeout "$limit" python3 -P benchmarks/cluster.py --parts ${CLUSTER_PARTS:-b} --model "$(spec "$m")" \
+          --device cuda --gpus-per-replica 1 --cpus-per-replica 8 --max-batch 128 --tp-requests ${TP_REQUESTS:-256} \
+          --tp-prompt-tokens 128 --tp-max-tokens 64 --tp-memory 16GiB --pool-blocks 1024 --prefix-tokens 512 \
+          --max-tokens 8 --requests 320 --concurrency 16 --ratios ${RATIOS:-1 2} \
+          --kill-requests 512 --kill-concurrency 128 --kill-after 4 --out "$out/cluster2-$m.json" ;;
       *) echo "unknown stage $s" ;;
     esac
     echo "=== $(date +%T) done $s synthetic:$m rc=$?"

@@ -79,6 +79,14 @@ def test_datasets_have_the_asked_lengths_and_are_reproducible(maker: datasets.Pr
     assert all(s.prompt_tokens + s.max_tokens <= 512 for s in chat)
 
 
+def test_a_cut_that_re_encodes_longer_is_replaced_by_another(model_cache: Path) -> None:
+    # At this seed one cut of synthetic:small's corpus kept merging across its ends: 130 tokens.
+    small = datasets.PromptMaker(datasets.load_codec(resolve_model("synthetic:small", model_cache)))
+    specs = datasets.build("random", small, num_prompts=512, input_len=128, output_len=4, seed=256)
+    assert [s.prompt_tokens for s in specs] == [128] * 512
+    assert {small.length(s.prompt) for s in specs} == {128}
+
+
 def test_goodput_slos_parse_and_reject_nonsense() -> None:
     assert parse_goodput("ttft:500,tpot:50 e2e:1e4") == {"ttft": 500.0, "tpot": 50.0, "e2e": 10000.0}
     for bad in ("ttft", "itl:5", "ttft:x", "ttft:-1", ""):

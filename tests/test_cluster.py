@@ -245,6 +245,30 @@ def test_health_and_metrics_cover_every_replica(cluster: str) -> None:
     assert len(helps) == len(set(helps)) > 0  # one HELP per family, samples of both replicas under it
 
 
+def test_a_call_for_a_replica_that_is_gone_neither_spins_nor_blocks_the_router(cluster: str) -> None:
+    # What a health fan-out meets when a replica dies between listing and asking: no rank
+    # takes it. The router that runs in this process (the handle's side) must back off and
+    # keep routing everything else, and drop the call once its caller gives up.
+    from scheduler.serving.cluster.routing import ROUTERS
+
+    handle = serve.get_deployment_handle("SchedulerReplica", APP_NAME)
+    live = [r["replica"] for r in health(cluster)["replicas"]]
+    assert handle.replica_stats.remote(target=live[0]).result(timeout_s=30)["replica"] == live[0]
+    router = ROUTERS[-1]
+    gone = handle.replica_stats.remote(target="no-such-replica")
+    with pytest.raises(TimeoutError):
+        gone.result(timeout_s=1.5)
+    assert router.reasons["target"] < 100, router.reasons  # backed off, not asked again and again
+    started = time.monotonic()
+    for rid in live:
+        assert handle.replica_stats.remote(target=rid).result(timeout_s=10)["replica"] == rid
+    assert time.monotonic() - started < 5
+    gone.cancel()
+    asked = router.reasons["target"]
+    time.sleep(2)
+    assert router.reasons["target"] - asked <= 2  # dropped: at most the pass that saw it cancelled
+
+
 def test_a_killed_replica_ends_its_requests_and_is_replaced(cluster: str) -> None:
     before = {r["replica"]: r["pid"] for r in health(cluster)["replicas"]}
     body = {"prompt": "tell me everything", "max_tokens": 1500, "ignore_eos": True, "stream": True}

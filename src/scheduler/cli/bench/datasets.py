@@ -63,8 +63,16 @@ class PromptMaker:
         return len(self._codec.encode(text))
 
     def make(self, tokens: int, rng: random.Random) -> tuple[str, int]:
-        """Text of `tokens` tokens (re-encoding can merge across the cut; then the nearest found)."""
-        start = rng.randrange(len(self._ids))
+        """Text of `tokens` tokens (re-encoding can merge across a cut: then another cut, and
+        after a few, the nearest found)."""
+        text, got = "", 0
+        for _ in range(8):
+            text, got = self._cut(rng.randrange(len(self._ids)), tokens)
+            if got == tokens:
+                break
+        return text, got
+
+    def _cut(self, start: int, tokens: int) -> tuple[str, int]:
         ids = self._take(start, tokens)
         text, got = "", 0
         for _ in range(4):

@@ -42,6 +42,13 @@ class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped he
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # Without it Serve asks again at once when no rank takes the request (a target that
+            # died, a session's owner at capacity): a loop that never yields, freezing every
+            # request this process routes.
+            pending_request.routing_context.should_backoff = True
+            if pending_request.future.done():  # given up by its caller: any rank lets Serve drop it
+                return [candidate_replicas] if candidate_replicas else []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = [self._load(rid, r) for rid, r in by_id.items()]
         route = _route(pending_request)
