@@ -63,7 +63,7 @@ for m in "${models[@]}"; do
 done
 for s in "${stages[@]}"; do
   for m in "${models[@]}"; do
-    echo "=== $(date +%T) $s synthetic:$m"
+    echo "=== $(date +%T) $s $(spec "$m")"
     case $s in
       decode)
         [ "$m" = llama-3.2-1b ] || continue
@@ -137,6 +137,7 @@ for s in "${stages[@]}"; do
           --kill-requests 512 --kill-concurrency 128 --kill-after 4 --out "$out/cluster2-$m.json" ;;
       *) echo "unknown stage $s" ;;
     esac
-    echo "=== $(date +%T) done $s synthetic:$m rc=$?"
+    rc=$?  # before any command substitution below resets it
+    echo "=== $(date +%T) done $s $(spec "$m") rc=$rc"
   done
 done

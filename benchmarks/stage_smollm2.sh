@@ -5,7 +5,7 @@
 # Then, on a warm machine, within 30 s of each other:
 #   command "bash .sm-a/keep.sh"                                  carry [".sm-a"]
 #   command "bash .sm-b/install.sh && . /tmp/gpu-env.sh && ..."   carry [".sm-b"]
-# install.sh puts the file where the scheduler's cache keeps it ($MLX_SCHEDULER_CACHE, default
+# install.sh installs the gguf package into /tmp/site (../shared/gpu/stage's) and puts the file where the scheduler's cache keeps it ($MLX_SCHEDULER_CACHE, default
 # /tmp/mlx-scheduler-cache as in benchmarks/gpu_run.sh), so `smollm2-135m` loads with no pip.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
@@ -16,7 +16,9 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 gguf=$(PYTHONPATH=src "$python" -c "from workers.loading.named import named_gguf; print(named_gguf('smollm2-135m', '$work/cache'))" | tail -1)
 entry=${gguf#"$work/cache/"}
-rm -rf .sm-a .sm-b && mkdir -p .sm-a .sm-b
+rm -rf .sm-a .sm-b && mkdir -p .sm-a .sm-b/wheels
+# The GGUF reader's own package (pure Python; numpy, pyyaml, requests and tqdm are on the machine).
+python3 -m pip download -q --no-deps --only-binary=:all: -d .sm-b/wheels "gguf==$("$python" -c 'from importlib.metadata import version; print(version("gguf"))')"
 size=$(stat -c %s "$gguf")
 split -b $(( size / 2 + 1 )) "$gguf" "$work/part."
 mv "$work/part.aa" .sm-a/model.part && mv "$work/part.ab" .sm-b/model.part
@@ -32,6 +34,7 @@ if [ ! -f "\$target" ]; then
   mkdir -p "\$(dirname "\$target")"
   cat \$HOME/gpu-stage/sm-a .sm-b/model.part > "\$target.tmp" && mv "\$target.tmp" "\$target"
 fi
+[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .sm-b/wheels/*.whl
 echo "SmolLM2 at \$target: \$(sha256sum "\$target" | cut -c1-16)"
 EOS
 du -sh .sm-a .sm-b
