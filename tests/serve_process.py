@@ -78,7 +78,8 @@ def serve(cache: Path, tmp: Path, extra: str = "", *args: str, sigint_ignored: b
             line = lines.get(timeout=60)
             assert line is not None, "".join(seen)
             seen.append(line)
-            if m := re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line):
+            # uvicorn's line, or hypercorn's (--trio)
+            if m := re.search(r"(?:Uvicorn running|\[INFO\] Running) on (http://127\.0\.0\.1:\d+)", line):
                 break
         yield Server(proc, m.group(1), lines, seen)
     finally:

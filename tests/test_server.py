@@ -461,10 +461,11 @@ async def test_hypercorn_on_trio_serves_the_app(model_cache: Path) -> None:
     assert ev[-1] == "[DONE]" and ev[-2]["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["sigint-default", "sigint-ignored-at-start"])
+@pytest.mark.parametrize(("sigint_ignored", "server"), [(False, ()), (True, ()), (True, ("--trio",))],
+                         ids=["sigint-default", "sigint-ignored-at-start", "trio-sigint-ignored-at-start"])
 def test_cli_serve_streams_to_the_openai_client_and_stops_on_sigint(
-        model_cache: Path, tmp_path: Path, sigint_ignored: bool) -> None:
-    with serve(model_cache, tmp_path, sigint_ignored=sigint_ignored) as srv:
+        model_cache: Path, tmp_path: Path, sigint_ignored: bool, server: tuple[str, ...]) -> None:
+    with serve(model_cache, tmp_path, "", *server, sigint_ignored=sigint_ignored) as srv:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=30)
         with client:
             stream = client.chat.completions.create(

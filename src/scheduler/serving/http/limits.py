@@ -9,7 +9,6 @@ Only `uvicorn.protocols.http.h11_impl.H11Protocol`'s stable surface is used: `co
 from __future__ import annotations
 
 import asyncio
-import signal
 from typing import TYPE_CHECKING, Any
 
 import h11
@@ -19,6 +18,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from scheduler.serving.http.errors import ApiError, ErrorEnvelope
+from scheduler.serving.http.shutdown import raise_again
 
 if TYPE_CHECKING:
     import socket
@@ -122,12 +122,9 @@ class GracefulServer(uvicorn.Server):
 
     def run(self, sockets: list[socket.socket] | None = None) -> None:
         super().run(sockets)
-        # uvicorn raises the signal that stopped it once more after shutting down, so that the
-        # exit status says why. A process started with the signal ignored (a background job of a
-        # shell script) would exit 0 instead: raise it again under its default disposition.
-        for sig in reversed(self._signals):
-            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-            signal.raise_signal(sig)
+        # uvicorn raises the signal once more itself, under the disposition the process started
+        # with: ignored in a shell script's background job, and then the exit status would be 0.
+        raise_again(self._signals)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._gate.begin()

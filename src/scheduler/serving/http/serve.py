@@ -39,7 +39,9 @@ def serve(args: argparse.Namespace, config: SchedulerConfig) -> None:
             config, scheduler=msgspec.structs.replace(config.scheduler, shutdown="abort"))
     app = create_app(config, model_name=args.model_name)
     if args.trio:
-        anyio.run(_hypercorn, app, args, config.server, grace, backend="trio")
+        from scheduler.serving.http.shutdown import raise_again
+
+        raise_again(anyio.run(_hypercorn, app, args, config.server, grace, backend="trio"))
     else:
         _uvicorn(app, args, config, grace)
 
@@ -58,7 +60,9 @@ def _uvicorn(app: Starlette, args: argparse.Namespace, config: SchedulerConfig, 
     server.run()
 
 
-async def _hypercorn(app: Starlette, args: argparse.Namespace, limits: ServerSection, grace: float) -> None:
+async def _hypercorn(app: Starlette, args: argparse.Namespace, limits: ServerSection,
+                     grace: float) -> list[int]:
+    """Serve until SIGINT or SIGTERM and the grace period; the signals that stopped it."""
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
@@ -72,6 +76,7 @@ async def _hypercorn(app: Starlette, args: argparse.Namespace, limits: ServerSec
     # hypercorn's read_timeout would also cut long streams, whose clients send nothing.
     log.warning("server_limits_off", limits="header_timeout_s, max_connections",
                 reason="hypercorn (--trio) has neither; use uvicorn or a proxy in front")
+    caught: list[int] = []
     async with anyio.create_task_group() as tg:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
 
@@ -80,10 +85,12 @@ async def _hypercorn(app: Starlette, args: argparse.Namespace, limits: ServerSec
                 await gate.expire()
 
             async def stop() -> None:
-                async for _ in signals:
+                async for sig in signals:
+                    caught.append(sig)
                     gate.begin()
                     tg.start_soon(deadline)
                     return
 
             await hypercorn_serve(app, config, shutdown_trigger=stop)  # type: ignore[arg-type]
         tg.cancel_scope.cancel()
+    return caught

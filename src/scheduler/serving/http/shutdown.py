@@ -9,6 +9,7 @@ and logs tracebacks, never runs."""
 
 from __future__ import annotations
 
+import signal
 from typing import TYPE_CHECKING
 
 import anyio
@@ -18,6 +19,15 @@ if TYPE_CHECKING:
     from scheduler.engine import EngineClient
 
 log = structlog.get_logger("scheduler.http")
+
+
+def raise_again(signals: list[int]) -> None:
+    """Raise the signals that stopped the server once more, after it shut down, so that the exit
+    status says why (130 for SIGINT). Under their default dispositions: a process started with a
+    signal ignored (a background job of a shell script) would otherwise exit 0."""
+    for sig in reversed(signals):
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        signal.raise_signal(sig)
 
 
 class Gate:
