@@ -9,7 +9,7 @@
     first warms them up once (not measured).
 (b) Throughput: `--tp-requests` requests of `--tp-prompt-tokens` random tokens, `--tp-max-tokens`
     generated (ignore_eos), all at once, on 1 and on 2 replicas: generated tokens/s, the median of
-    `--tp-repeat` rounds after an untimed one.
+    `--tp-repeat` rounds after an untimed one, and each Serve process's share of a core meanwhile.
 (c) A replica killed mid-run: `--kill-requests` such requests at `--kill-concurrency` on 2
     replicas; `--kill-after` seconds in, SIGKILL to the replica holding the most. Every request's
     outcome (completed, an error event and its code, a broken stream, an HTTP status), which
@@ -164,6 +164,32 @@ async def part_a(args: argparse.Namespace, url: str, facts: tuple[int, int, int]
     return rows
 
 
+# Which process caps the replicas: CPU seconds of each of Serve's processes on this host, from
+# /proc (Linux; elsewhere only the client's own).
+ROLES = {"ray::ProxyActor": "proxy", ":Frontend": "frontend", ":SchedulerReplica": "replica"}
+
+
+def cpu_seconds() -> dict[str, float]:
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {"client": sum(os.times()[:2])}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            role = next((r for k, r in ROLES.items() if k in cmd), None)
+            if role is not None:
+                fields = (proc / "stat").read_text().rpartition(")")[2].split()
+                out[f"{role} {proc.name}"] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return out
+
+
+def busy(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
+    """Each process's share of one core over `wall` seconds, busiest first."""
+    shares = {k: (after[k] - before.get(k, 0.0)) / wall for k in after}
+    return dict(sorted(shares.items(), key=lambda kv: -kv[1]))
+
+
 async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[str, Any]]:
     from ray import serve
 
@@ -181,13 +207,16 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
             # A whole untimed round first (8 tokens each): the batch shapes of the timed rounds
             # are then compiled already (on CUDA, a first use of a shape costs seconds).
             await run_all(client, batch(), 8, args.tp_requests, ignore_eos=True)
+            cpu0, start = cpu_seconds(), time.perf_counter()
             for _ in range(args.tp_repeat):
                 t0 = time.perf_counter()
                 out = await run_all(client, batch(), args.tp_max_tokens, args.tp_requests, ignore_eos=True)
                 rounds.append(sum(o[1] for o in out) / (time.perf_counter() - t0))
+            cores = busy(cpu0, cpu_seconds(), time.perf_counter() - start)
         rows.append({"part": "b", "variant": f"{replicas} replica(s)", "replicas": replicas,
                      "requests": args.tp_requests, "tokens": args.tp_requests * args.tp_max_tokens,
-                     "rounds_tokens_per_s": rounds, "tokens_per_s": statistics.median(rounds)})
+                     "rounds_tokens_per_s": rounds, "tokens_per_s": statistics.median(rounds),
+                     "cores_busy": cores})
         print_row(rows[-1])
         serve.delete(APP_NAME)
     if len(rows) == 2:
@@ -293,6 +322,7 @@ def print_row(r: dict[str, Any]) -> None:
         each = ", ".join(f"{x:.0f}" for x in r["rounds_tokens_per_s"])
         print(f"  {r['variant']:<13} {r['requests']} requests x {r['tokens'] // r['requests']} tokens: "
               f"median {r['tokens_per_s']:.0f} tok/s (rounds: {each})", flush=True)
+        print("    cores busy: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cores_busy"].items()), flush=True)
 
 
 def main() -> None:
