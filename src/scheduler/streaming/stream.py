@@ -81,6 +81,10 @@ class RequestStream:
         except BaseException:
             self._abandon()
             raise
+        return self._took(chunk)
+
+    def _took(self, chunk: Chunk) -> Chunk:
+        """A chunk taken from the channel: a final one counts towards the stream's end."""
         if chunk.finish_reason is not None:
             self._final()
         return chunk
@@ -103,9 +107,7 @@ class RequestStream:
                 chunk = recv.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream):
                 break  # EndOfStream: the next __anext__ says so
-            out.append(chunk)
-            if chunk.finish_reason is not None:
-                self._final()
+            out.append(self._took(chunk))
         return out
 
     async def ready_by(self, deadline: float) -> list[Chunk]:
@@ -123,9 +125,7 @@ class RequestStream:
                     break  # the next __anext__ says so
             if scope.cancelled_caught:
                 break
-            out.append(chunk)
-            if chunk.finish_reason is not None:
-                self._final()
+            out.append(self._took(chunk))
             out += self.ready()
         return out
 
