@@ -85,24 +85,44 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
-              ignore_eos: bool = False) -> tuple[float, int, str]:
-    """(TTFT, generated tokens, replica) of one streamed completion."""
+async def outcome(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
+                  ignore_eos: bool = True) -> tuple[str, float, int, str]:
+    """(how it ended, TTFT, tokens generated, replica) of one streamed completion. It ended "ok",
+    with an error event's code, "broken" (the stream stopped with neither [DONE] nor an error, or
+    the connection failed), or "http <status>: <body>"."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, tokens = float("nan"), 0
-    async with client.stream("POST", "/v1/completions", json=body) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"{reply.status_code}: {(await reply.aread())[:200]!r}")
-        replica = reply.headers.get("x-replica", "?")
-        async for line in reply.aiter_lines():
-            if line.startswith("data:") and line != "data: [DONE]":
-                if ttft != ttft:
-                    ttft = time.perf_counter() - t0
-                usage = msgspec.json.decode(line[5:]).get("usage")
-                if usage:
-                    tokens = int(usage["completion_tokens"])
+    ended, ttft, tokens, replica = "broken", float("nan"), 0, "?"
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as reply:
+            if reply.status_code != 200:
+                return f"http {reply.status_code}: {(await reply.aread())[:200]!r}", ttft, 0, "?"
+            replica = reply.headers.get("x-replica", "?")
+            error = None
+            async for line in reply.aiter_lines():
+                if line == "data: [DONE]":
+                    ended = error or "ok"
+                elif line.startswith("data:"):
+                    if ttft != ttft:
+                        ttft = time.perf_counter() - t0
+                    event = msgspec.json.decode(line[5:])
+                    if "error" in event:
+                        error = str(event["error"].get("code", "error"))
+                    elif event.get("usage"):
+                        tokens = int(event["usage"]["completion_tokens"])
+    except httpx.HTTPError as exc:
+        ended = f"broken: {exc!r}"
+    return ended, ttft, tokens, replica
+
+
+async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
+              ignore_eos: bool = False) -> tuple[float, int, str]:
+    """(TTFT, generated tokens, replica) of one streamed completion; a refusal or a failed
+    connection raises."""
+    ended, ttft, tokens, replica = await outcome(client, prompt, max_tokens, ignore_eos)
+    if ended.startswith(("http ", "broken: ")):
+        raise RuntimeError(ended)
     return ttft, tokens, replica
 
 
@@ -225,32 +245,6 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
     return rows
 
 
-async def outcome(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> tuple[str, int, str]:
-    """(how it ended, tokens generated, replica): "ok", an error event's code, "broken" (the
-    stream ended with neither [DONE] nor an error), or "http <status>"."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
-    ended, tokens, replica = "broken", 0, "?"
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as reply:
-            if reply.status_code != 200:
-                return f"http {reply.status_code}", 0, "?"
-            replica = reply.headers.get("x-replica", "?")
-            error = None
-            async for line in reply.aiter_lines():
-                if line == "data: [DONE]":
-                    ended = error or "ok"
-                elif line.startswith("data:"):
-                    event = msgspec.json.decode(line[5:])
-                    if "error" in event:
-                        error = str(event["error"].get("code", "error"))
-                    elif event.get("usage"):
-                        tokens = int(event["usage"]["completion_tokens"])
-    except httpx.HTTPError:
-        pass
-    return ended, tokens, replica
-
-
 async def replacement(client: httpx.AsyncClient, before: set[str], victim: str, limit_s: float) -> float:
     """Seconds until two replicas answer /health again, the victim not among them (nan: not within `limit_s`)."""
     t0 = time.perf_counter()
@@ -277,7 +271,7 @@ async def part_c(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
 
         async def go(p: list[int]) -> tuple[str, int, str, float]:
             async with sem:
-                ended, tokens, replica = await outcome(client, p, args.tp_max_tokens)
+                ended, _, tokens, replica = await outcome(client, p, args.tp_max_tokens)
                 return ended, tokens, replica, time.perf_counter()
 
         t0 = time.perf_counter()
