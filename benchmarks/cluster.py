@@ -223,6 +223,7 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
         cfg = config(args, args.tp_memory)
         await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster))
         rounds: list[float] = []
+        split: collections.Counter[str] = collections.Counter()
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
             # A whole untimed round first (8 tokens each): the batch shapes of the timed rounds
             # are then compiled already (on CUDA, a first use of a shape costs seconds).
@@ -232,11 +233,14 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
                 t0 = time.perf_counter()
                 out = await run_all(client, batch(), args.tp_max_tokens, args.tp_requests, ignore_eos=True)
                 rounds.append(sum(o[1] for o in out) / (time.perf_counter() - t0))
+                split.update(o[2] for o in out)
             cores = busy(cpu0, cpu_seconds(), time.perf_counter() - start)
+            routing = (await client.get("/health")).json().get("routing", {})
         rows.append({"part": "b", "variant": f"{replicas} replica(s)", "replicas": replicas,
                      "requests": args.tp_requests, "tokens": args.tp_requests * args.tp_max_tokens,
                      "rounds_tokens_per_s": rounds, "tokens_per_s": statistics.median(rounds),
-                     "cores_busy": cores})
+                     "cores_busy": cores, "requests_per_replica": sorted(split.values(), reverse=True),
+                     "routing": routing})
         print_row(rows[-1])
         serve.delete(APP_NAME)
     if len(rows) == 2:
@@ -316,7 +320,8 @@ def print_row(r: dict[str, Any]) -> None:
         each = ", ".join(f"{x:.0f}" for x in r["rounds_tokens_per_s"])
         print(f"  {r['variant']:<13} {r['requests']} requests x {r['tokens'] // r['requests']} tokens: "
               f"median {r['tokens_per_s']:.0f} tok/s (rounds: {each})", flush=True)
-        print("    cores busy: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cores_busy"].items()), flush=True)
+        print("    cores busy: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cores_busy"].items())
+              + f"; requests per replica {r['requests_per_replica']}, routing {r['routing']}", flush=True)
 
 
 def main() -> None:

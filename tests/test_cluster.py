@@ -10,7 +10,7 @@ import os
 import signal
 import socket
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -222,6 +222,30 @@ def test_a_shared_prefix_goes_where_its_blocks_are(cluster: str) -> None:
     where = {complete(cluster, prompt=prefix + f"Question {i}?").headers["x-replica"] for i in range(6)}
     assert where == {first.headers["x-replica"]}
     assert health(cluster)["routing"].get("prefix", 0) >= 6
+
+
+def test_bursts_one_after_another_spread_over_both_replicas(cluster: str) -> None:
+    """Power-of-two choices on the router's own count: a replica's report, made while it was busy
+    with one burst, must not send the next burst elsewhere (it sent 7 or 8 of 8 to one replica)."""
+    body = {"max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def burst(c: httpx.AsyncClient, n: int) -> list[str]:
+        async def one(i: int) -> str:
+            prompt = f"Burst {n}, request {i}: a prompt of its own, {i * 31 + n} words long."
+            async with c.stream("POST", "/v1/completions", json={"prompt": prompt, **body}) as reply:
+                lines = [line async for line in reply.aiter_lines() if line]
+            assert reply.status_code == 200 and lines[-1] == "data: [DONE]", lines[-2:]
+            return reply.headers["x-replica"]
+
+        return list(await asyncio.gather(*(one(i) for i in range(8))))
+
+    async def main() -> list[list[str]]:
+        async with httpx.AsyncClient(base_url=cluster, timeout=60) as c:
+            return [await burst(c, n) for n in range(4)]
+
+    for where in asyncio.run(main()):
+        counts = sorted(Counter(where).values())
+        assert len(counts) == 2 and counts[0] >= 2, where
 
 
 def test_health_and_metrics_cover_every_replica(cluster: str) -> None:

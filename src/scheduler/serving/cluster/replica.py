@@ -136,6 +136,6 @@ class SchedulerReplica:
             return {}
         s = self._sched.stats()
         cfg = self._config
-        return {"load": s.running + s.waiting, "blocks": s.blocks_total,
+        return {"blocks": s.blocks_total,
                 "capacity": cfg.scheduler.max_queue + cfg.worker.max_batch,
                 "keys": list(self._served)}

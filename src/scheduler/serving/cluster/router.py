@@ -64,8 +64,10 @@ class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped he
             self.reported[rid] = stats
             self.affinity.capacity(rid, int(stats.get("blocks", 0)))
             self.affinity.holds(rid, stats.get("keys") or ())
-        load = max(self.inflight.get(rid, 0), int(stats.get("load", 0)))
-        return Load(rid, load, int(stats.get("capacity", 1 << 30)))
+        # The load is this router's own count: the frontend is the replicas' only router, so the
+        # count is exact and current. A replica's report lags by up to `stats_period_s`; taken as
+        # a floor, one made mid-burst steered the whole next burst to the other replica.
+        return Load(rid, self.inflight.get(rid, 0), int(stats.get("capacity", 1 << 30)))
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult,

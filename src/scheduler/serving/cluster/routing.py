@@ -30,7 +30,7 @@ class Load(msgspec.Struct, frozen=True):
 
     id: str
     load: int
-    """Requests it holds: what this router sent and has not seen end, or what it reports."""
+    """Requests it holds: what this router sent and has not seen end."""
     capacity: int = 1 << 30
     """Requests it can hold before its queue answers 429."""
 
