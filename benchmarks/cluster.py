@@ -204,6 +204,23 @@ def cpu_seconds() -> dict[str, float]:
     return out
 
 
+async def record(args: argparse.Namespace, tag: str, pids: dict[str, float]) -> list[asyncio.subprocess.Process]:
+    """With `--py-spy`: sample each Serve process and the client for `--py-spy-seconds`, as
+    collapsed stacks beside `--out` (where the Ray path's time goes, process by process)."""
+    if not args.py_spy:
+        return []
+    stem = Path(args.out).with_suffix("")
+    spies = []
+    for name in pids:
+        role, _, pid = name.partition(" ")
+        pid = pid or str(os.getpid())
+        spies.append(await asyncio.create_subprocess_exec(
+            args.py_spy, "record", "--pid", pid, "--duration", str(args.py_spy_seconds), "--rate", "200",
+            "--format", "raw", "--nonblocking", "--threads", "--output", f"{stem}-{tag}-{role}-{pid}.txt",
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL))
+    return spies
+
+
 def busy(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
     """Each process's share of one core over `wall` seconds, busiest first."""
     shares = {k: (after[k] - before.get(k, 0.0)) / wall for k in after}
@@ -229,10 +246,13 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
             # are then compiled already (on CUDA, a first use of a shape costs seconds).
             await run_all(client, batch(), 8, args.tp_requests, ignore_eos=True)
             cpu0, start = cpu_seconds(), time.perf_counter()
-            for _ in range(args.tp_repeat):
+            for i in range(args.tp_repeat):
                 t0 = time.perf_counter()
+                spies = await record(args, f"{replicas}rep", cpu0) if i == 1 else []
                 out = await run_all(client, batch(), args.tp_max_tokens, args.tp_requests, ignore_eos=True)
                 rounds.append(sum(o[1] for o in out) / (time.perf_counter() - t0))
+                for spy in spies:
+                    await spy.wait()
                 split.update(o[2] for o in out)
             cores = busy(cpu0, cpu_seconds(), time.perf_counter() - start)
             routing = (await client.get("/health")).json().get("routing", {})
@@ -349,6 +369,8 @@ def main() -> None:
     p.add_argument("--kill-concurrency", type=int, default=64)
     p.add_argument("--kill-after", type=float, default=3.0)
     p.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    p.add_argument("--py-spy", default="", help="(b) py-spy's path: sample every process in the second round")
+    p.add_argument("--py-spy-seconds", type=int, default=5)
     p.add_argument("--out", default="benchmarks/results/cluster.json")
     args = p.parse_args()
     if args.quick:

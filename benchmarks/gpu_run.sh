@@ -37,7 +37,8 @@
 #               in 1024-block pools; (b) tokens/s on 1 and 2 replicas, 256 requests x 64 tokens
 #               at once; (c) a replica killed 4 s into 512 requests at concurrency 128. Model
 #               names in $MODELS may be named models (smollm2-135m, staged by
-#               benchmarks/stage_smollm2.sh); both need Ray staged (the cluster stage)
+#               benchmarks/stage_smollm2.sh); both need Ray staged (the cluster stage). $CLUSTER_ARGS
+#               adds options (e.g. "--py-spy PATH": each process's stacks in (b)'s second round)
 #   served      benchmarks/peers.py at 1 8 64: our server over HTTP beside the in-process
 #               scheduler and mlx_lm.server, one client for all (the served path should keep >= 0.97x of in-process at 64)
 #   served-8b   the same for Llama-3.1-8B's shape (benchmarks/shapes.py builds it, ~16 GB, once),
@@ -134,7 +135,7 @@ for s in "${stages[@]}"; do
           --device cuda --gpus-per-replica 1 --cpus-per-replica 8 --max-batch 128 --tp-requests ${TP_REQUESTS:-256} \
           --tp-prompt-tokens 128 --tp-max-tokens 64 --tp-memory 16GiB --pool-blocks 1024 --prefix-tokens 512 \
           --max-tokens 8 --requests 320 --concurrency 16 --ratios ${RATIOS:-1 2} \
-          --kill-requests 512 --kill-concurrency 128 --kill-after 4 --out "$out/cluster2-$m.json" ;;
+          --kill-requests 512 --kill-concurrency 128 --kill-after 4 ${CLUSTER_ARGS:-} --out "$out/cluster2-$m.json" ;;
       *) echo "unknown stage $s" ;;
     esac
     rc=$?  # before any command substitution below resets it
