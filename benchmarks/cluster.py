@@ -34,6 +34,7 @@ import random
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -221,6 +222,26 @@ async def record(args: argparse.Namespace, tag: str, pids: dict[str, float]) -> 
     return spies
 
 
+def gpus_of(names: dict[str, float]) -> dict[str, list[int]]:
+    """Which GPUs hold a CUDA context of each Serve process (from `nvidia-smi`; {} without one):
+    each replica should hold only its own."""
+    try:
+        smi = ["nvidia-smi", "--format=csv,noheader"]
+        index = dict(line.split(", ") for line in subprocess.run(
+            [*smi, "--query-gpu=uuid,index"], capture_output=True, text=True, timeout=10).stdout.splitlines())
+        apps = subprocess.run([*smi, "--query-compute-apps=pid,gpu_uuid"], capture_output=True, text=True,
+                              timeout=10).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return {}
+    held: dict[str, list[int]] = {}
+    for line in apps:
+        pid, _, uuid = line.partition(", ")
+        for name in names:
+            if name.endswith(f" {pid}") and uuid in index:
+                held.setdefault(name, []).append(int(index[uuid]))
+    return held
+
+
 def busy(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
     """Each process's share of one core over `wall` seconds, busiest first."""
     shares = {k: (after[k] - before.get(k, 0.0)) / wall for k in after}
@@ -256,11 +277,12 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
                 split.update(o[2] for o in out)
             cores = busy(cpu0, cpu_seconds(), time.perf_counter() - start)
             routing = (await client.get("/health")).json().get("routing", {})
+            gpus = gpus_of(cores) if args.device == "cuda" else {}
         rows.append({"part": "b", "variant": f"{replicas} replica(s)", "replicas": replicas,
                      "requests": args.tp_requests, "tokens": args.tp_requests * args.tp_max_tokens,
                      "rounds_tokens_per_s": rounds, "tokens_per_s": statistics.median(rounds),
                      "cores_busy": cores, "requests_per_replica": sorted(split.values(), reverse=True),
-                     "routing": routing})
+                     "routing": routing, "gpus": gpus})
         print_row(rows[-1])
         serve.delete(APP_NAME)
     if len(rows) == 2:
@@ -341,7 +363,8 @@ def print_row(r: dict[str, Any]) -> None:
         print(f"  {r['variant']:<13} {r['requests']} requests x {r['tokens'] // r['requests']} tokens: "
               f"median {r['tokens_per_s']:.0f} tok/s (rounds: {each})", flush=True)
         print("    cores busy: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cores_busy"].items())
-              + f"; requests per replica {r['requests_per_replica']}, routing {r['routing']}", flush=True)
+              + f"; requests per replica {r['requests_per_replica']}, routing {r['routing']}"
+              + (f"; GPUs held {r['gpus']}" if r.get("gpus") else ""), flush=True)
 
 
 def main() -> None:

@@ -357,6 +357,8 @@ class MLXEngine:
                     kept = self._keep_session(session, r.prompt_cache, r.all_tokens)
                     if kept is not None:
                         stored.append(kept)
+        if stored and self._store is not None:
+            self._store.settle()
         fallbacks, self._fallbacks = self._fallbacks, 0
         return StepResult(
             rids, tokens, finished, reasons, prefilled, stored, mx.get_active_memory(), fallbacks,
