@@ -130,6 +130,22 @@ async def test_prefix_hit_gives_the_cold_output(model_cache: Path) -> None:
     assert st.blocks_cached > 0
 
 
+async def test_blocks_kept_from_left_padded_rows_give_the_cold_output(model_cache: Path) -> None:
+    """Prompts of different lengths prefilled together sit at different left paddings in the
+    batch; the blocks kept from each row are its own tokens' KV, whatever its padding."""
+    rng = random.Random(9)
+    firsts = [tokens(n, rng) for n in (20, 37, 53, 70)]
+    later = [(p + tokens(6, rng), GREEDY) for p in firsts]
+    with anyio.fail_after(180):
+        expected = await cold(model_cache, later)
+        async with Scheduler(config(model_cache, block_tokens=16)) as s:
+            await run_all(s, [(p, GREEDY) for p in firsts])  # all at once: one padded batch
+            done = [await s.complete(*job) for job in later]
+            await assert_idle(s)
+    assert [c.token_ids for c in done] == expected
+    assert [c.cached_tokens for c in done] == [16 * (len(p) // 16) for p in firsts]
+
+
 async def test_a_burst_sharing_a_prefix_computes_it_once(model_cache: Path) -> None:
     rng = random.Random(6)
     shared = tokens(64, rng)

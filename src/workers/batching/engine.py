@@ -253,6 +253,7 @@ class MLXEngine:
         keys, first = self._store_plan.pop(rid)
         assert store is not None
         row: list[LayerKV]
+        start: int | mx.array
         if finished is not None:
             row = [(c.keys, c.values) for c in finished.prompt_cache]
             start = 0
@@ -261,7 +262,7 @@ class MLXEngine:
             idx = batch.uids.index(uid)
             caches = batch.prompt_cache
             row = [(c.keys[idx : idx + 1], c.values[idx : idx + 1]) for c in caches]
-            start = int(caches[0].left_padding[idx].item())
+            start = caches[0].left_padding[idx]
         return store.store_blocks(keys, first, row, start)
 
     def keep_sessions(self, rids: Sequence[int]) -> list[tuple[Key, int]]:
