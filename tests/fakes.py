@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from workers.batching.engine import StepResult
+from workers.batching.contract import StepResult
 from workers.factory import Loaded
 from workers.loading.models import ModelInfo
 

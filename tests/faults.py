@@ -10,7 +10,7 @@ import msgspec
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from workers.batching.engine import Engine, StepResult
+    from workers.batching.contract import Engine, StepResult
     from workers.messages import Admit, Key
     from workers.worker import EngineFactory
 

@@ -20,7 +20,7 @@ from workers.worker import GPUWorker
 
 if TYPE_CHECKING:
     from scheduler.types import Chunk
-    from workers.batching.engine import StepResult
+    from workers.batching.contract import StepResult
 
 pytestmark = pytest.mark.anyio
 

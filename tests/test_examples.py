@@ -3,7 +3,6 @@ FastAPI app served in-process by uvicorn so the test can be its client."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from scheduler.serving.http.app import create_app
+from tests.scripts import load_script
 from tests.test_server import config, uvicorn_serving
 
 if TYPE_CHECKING:
@@ -39,12 +39,7 @@ def run_example(name: str, *args: str, cache: Path, timeout: float = 120) -> str
 
 
 def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), EXAMPLES / name)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLES / name, name.removesuffix(".py"))
 
 
 def test_asyncio_example_runs_1000_concurrent_requests(model_cache: Path) -> None:

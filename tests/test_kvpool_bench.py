@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from tests import scripts
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -18,12 +18,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "kv_pool.py"
 
 def load_script() -> ModuleType:
     # Not as `kvpool`: that name is the package the script measures.
-    spec = importlib.util.spec_from_file_location("kvpool_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return scripts.load_script(SCRIPT, "kvpool_benchmark")
 
 
 @pytest.mark.integration
@@ -62,10 +57,7 @@ def test_quick_run(tmp_path: Path, model_cache: Path, capsys: pytest.CaptureFixt
 def test_books_benchmark_runs_on_full_caches(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`benchmarks/books.py` runs: Reserve/Release on books with 0 and 500 cached entries leaves
     every entry in place and the invariants whole (it checks both); no figures asserted."""
-    spec = importlib.util.spec_from_file_location("books_benchmark", SCRIPT.parent / "books.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = scripts.load_script(SCRIPT.parent / "books.py", "books_benchmark")
     out = tmp_path / "books.json"
     bench.main(["--reps", "50", "--entries", "0", "500", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]

@@ -10,7 +10,7 @@ import msgspec
 import structlog
 from mlx_lm.models.cache import KVCache
 
-from workers.batching.engine import Engine, MLXEngine
+from workers.batching.engine import MLXEngine
 from workers.batching.grammar import grammar_tokenizer
 from workers.batching.mlxlm import hf_tokenizer, keep_leading_space
 from workers.batching.quantfold import fold_decode_batch
@@ -21,6 +21,8 @@ from workers.loading.models import ModelInfo, load, model_info, resolve_model
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from workers.batching.contract import Engine
 
 log = structlog.get_logger("workers")
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import anyio
 import structlog
 
-from workers.batching.engine import Engine, StepResult
+from workers.batching.contract import Engine, StepResult
 from workers.bridge import LoopCaller, LoopClosed
 from workers.messages import (
     Abort,
