@@ -126,6 +126,9 @@ def main() -> None:
     ap.add_argument("--attribute", action="store_true",
                     help="also time steps: bare ms/step against ours (worker step, event-loop CPU "
                          "per step), and a run of ours without the 1 ms lag ticker")
+    ap.add_argument("--prefix-cache", choices=["on", "off"], default="on",
+                    help="[kvpool] prefix_cache for our side (the bare loop keeps nothing): off "
+                         "shows what keeping each prompt's blocks for reuse costs")
     ap.add_argument("--stream", action="store_true",
                     help="our clients stream with generate() (a chunk per step) instead of complete()")
     ap.add_argument("--out", default="benchmarks/results/overhead.json")
@@ -145,7 +148,7 @@ def main() -> None:
         config = SchedulerConfig.from_toml(
             f'[model]\npath = "{args.model}"\n[worker]\nmax_batch = {n}\n'
             f"step_token_budget = {budget}\n"
-            f'[kvpool]\nmemory = "8GiB"\n'
+            f'[kvpool]\nmemory = "8GiB"\nprefix_cache = {str(args.prefix_cache == "on").lower()}\n'
         )
         w = config.worker
         warm = make_prompts(max(n, 8), args.prompt_tokens, info.vocab_size, args.seed + n + 10**6)
@@ -204,7 +207,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "model": args.model, "step_token_budget": args.budget, "stream": args.stream, "repeat": args.repeat, "warmup": args.warmup, "waves": args.waves, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "model": args.model, "step_token_budget": args.budget, "stream": args.stream, "prefix_cache": args.prefix_cache, "repeat": args.repeat, "warmup": args.warmup, "waves": args.waves, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
         "device": str(mx.default_device()), "mlx": mx.__version__, "python": sys.version.split()[0],
         "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
     }
