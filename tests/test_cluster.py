@@ -225,8 +225,9 @@ def test_a_shared_prefix_goes_where_its_blocks_are(cluster: str) -> None:
 
 
 def test_bursts_one_after_another_spread_over_both_replicas(cluster: str) -> None:
-    """Power-of-two choices on the router's own count: a replica's report, made while it was busy
-    with one burst, must not send the next burst elsewhere (it sent 7 or 8 of 8 to one replica)."""
+    """Power-of-two choices on the router's own count, choices not yet routed included: a
+    replica's report made during one burst sent the next one elsewhere (7 or 8 of 8 to one
+    replica), and choices counted only once routed let a burst land 2/6 or 1/7."""
     body = {"max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
 
     async def burst(c: httpx.AsyncClient, n: int) -> list[str]:
@@ -241,11 +242,11 @@ def test_bursts_one_after_another_spread_over_both_replicas(cluster: str) -> Non
 
     async def main() -> list[list[str]]:
         async with httpx.AsyncClient(base_url=cluster, timeout=60) as c:
-            return [await burst(c, n) for n in range(4)]
+            return [await burst(c, n) for n in range(6)]
 
     for where in asyncio.run(main()):
         counts = sorted(Counter(where).values())
-        assert len(counts) == 2 and counts[0] >= 2, where
+        assert len(counts) == 2 and counts[0] >= 3, where
 
 
 def test_health_and_metrics_cover_every_replica(cluster: str) -> None:

@@ -4,6 +4,8 @@ pending requests to `routing.choose`. It runs in the frontend's process (the han
 from __future__ import annotations
 
 import random
+import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -18,6 +20,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("scheduler.cluster")
 
+# How long a choice counts as load before Serve reports the request routed (its replica's
+# acceptance takes a round trip); a choice never reported (refused, given up) stops counting then.
+CHOSEN_S = 1.0
+
 
 class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped here
     def initialize_state(self, **kwargs: Any) -> None:
@@ -28,6 +34,7 @@ class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped he
         self.queue_len_response_deadline_s = float(kwargs.get("probe_deadline_s", 1.0))
         self.max_queue_len_response_deadline_s = max(self.queue_len_response_deadline_s, 4.0)
         self.inflight: dict[str, int] = {}
+        self.chosen: dict[str, deque[float]] = {}  # per replica: when it was chosen, not yet routed
         self.request_replica: dict[str, str] = {}
         self.reasons: dict[str, int] = {}
         self.reported: dict[str, dict[str, Any]] = {}
@@ -56,6 +63,8 @@ class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped he
             route = Route(target=route.target)
         decision = choose(loads, route, self.affinity, self.limits, self.rng)
         self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
+        if decision.ranked and route.target is None:
+            self.chosen.setdefault(decision.ranked[0][0], deque()).append(time.monotonic())
         return [[by_id[i] for i in rank if i in by_id] for rank in decision.ranked]
 
     def _load(self, rid: str, replica: RunningReplica) -> Load:
@@ -66,8 +75,18 @@ class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped he
             self.affinity.holds(rid, stats.get("keys") or ())
         # The load is this router's own count: the frontend is the replicas' only router, so the
         # count is exact and current. A replica's report lags by up to `stats_period_s`; taken as
-        # a floor, one made mid-burst steered the whole next burst to the other replica.
-        return Load(rid, self.inflight.get(rid, 0), int(stats.get("capacity", 1 << 30)))
+        # a floor, one made mid-burst steered the whole next burst to the other replica. The
+        # choices not yet routed count too: in a burst Serve makes many before it reports one.
+        return Load(rid, self.inflight.get(rid, 0) + self._chosen(rid), int(stats.get("capacity", 1 << 30)))
+
+    def _chosen(self, rid: str) -> int:
+        times = self.chosen.get(rid)
+        if not times:
+            return 0
+        stale = time.monotonic() - CHOSEN_S
+        while times and times[0] < stale:
+            times.popleft()
+        return len(times)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult,
@@ -78,6 +97,8 @@ class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped he
             self.affinity.served(rid, route)
         self.inflight[rid] = self.inflight.get(rid, 0) + 1
         self.request_replica[pending_request.metadata.internal_request_id] = rid
+        if route.target is None and self.chosen.get(rid):
+            self.chosen[rid].popleft()  # counted as in flight now
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = self.request_replica.pop(internal_request_id, replica_id.unique_id)
@@ -88,6 +109,7 @@ class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped he
         rid = replica_id.unique_id
         self.affinity.forget(rid)
         self.inflight.pop(rid, None)
+        self.chosen.pop(rid, None)
         self.reported.pop(rid, None)
         log.warning("replica_died", replica=rid)
 
