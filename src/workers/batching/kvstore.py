@@ -69,22 +69,16 @@ class KVStore:
         """Keep blocks `first, first + 1, ...` of a sequence whose KV per layer is `row`, its
         token 0 at index `start` of axis 2, under `keys`. Returns what was newly stored; the
         copies run at the next `settle()`. `start` may be a scalar array still being computed
-        (a batch row's left padding): the copies then gather at it, as reading it would wait
-        for the GPU."""
+        (a batch row's left padding): the copies gather at it, as reading it would wait for the
+        GPU."""
         bt = self.block_tokens
         new: list[tuple[Key, int]] = []
-        at = None if isinstance(start, int) else start + mx.arange(bt)
+        at = start + mx.arange(bt)  # a gather copies: no block is a view of `row`'s buffer
         for i, key in enumerate(keys):
             if key in self._blocks:
                 continue
-            lo = (first + i) * bt
-            if at is None:
-                lo += int(start)
-                block = [(mx.contiguous(k[..., lo : lo + bt, :]), mx.contiguous(v[..., lo : lo + bt, :]))
-                         for k, v in row]
-            else:
-                pos = at + lo
-                block = [(mx.take(k, pos, axis=2), mx.take(v, pos, axis=2)) for k, v in row]
+            pos = at + (first + i) * bt
+            block = [(mx.take(k, pos, axis=2), mx.take(v, pos, axis=2)) for k, v in row]
             self._blocks[key] = block
             self._unsettled.extend(a for kv in block for a in kv)
             new.append((key, bt))
