@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -46,6 +46,9 @@ import msgspec
 
 from scheduler import Scheduler, SchedulerConfig
 from scheduler.serving.cluster.app import APP_NAME, deploy, pick_device, start_ray
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 BASE = """
 [model]
@@ -77,6 +80,15 @@ async def model_facts(args: argparse.Namespace) -> tuple[int, int, int]:
     async with Scheduler(config(args, "4GiB")) as s:  # the weights of the shapes it runs, and room
         st = s.stats()
         return st.weights_bytes, st.kv_budget_bytes // st.blocks_total, s.model.info.vocab_size
+
+
+def random_prompts(rng: random.Random, n: int, tokens: int, vocab: int) -> list[list[int]]:
+    """`n` prompts of `tokens` random ids (above the special ids at the bottom of a vocabulary)."""
+    return [[rng.randrange(10, vocab) for _ in range(tokens)] for _ in range(n)]
+
+
+async def health(client: httpx.AsyncClient) -> dict[str, Any]:
+    return dict((await client.get("/health")).json())
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -140,7 +152,7 @@ async def run_all(client: httpx.AsyncClient, prompts: list[list[int]], max_token
 
 async def counters(client: httpx.AsyncClient) -> tuple[int, int]:
     """(prompt tokens queried, prompt tokens hit) summed over the replicas."""
-    body = (await client.get("/health")).json()
+    body = await health(client)
     return (sum(r["stats"]["prefix_query_tokens"] for r in body["replicas"]),
             sum(r["stats"]["prefix_hit_tokens"] for r in body["replicas"]))
 
@@ -160,10 +172,10 @@ async def part_a(args: argparse.Namespace, url: str, facts: tuple[int, int, int]
             for ratio in args.ratios:
                 rng = random.Random(hash((ratio, 7)))  # the same prompts for every variant
                 k = max(1, round(ratio * args.pool_blocks / blocks_per_prefix))
-                prefixes = [[rng.randrange(10, vocab) for _ in range(args.prefix_tokens)] for _ in range(k)]
+                prefixes = random_prompts(rng, k, args.prefix_tokens, vocab)
 
                 def prompt(p: list[int], rng: random.Random = rng) -> list[int]:
-                    return p + [rng.randrange(10, vocab) for _ in range(args.suffix_tokens)]
+                    return p + random_prompts(rng, 1, args.suffix_tokens, vocab)[0]
 
                 await run_all(client, [prompt(p) for p in prefixes], args.max_tokens, args.concurrency)
                 q0, h0 = await counters(client)
@@ -205,14 +217,14 @@ def cpu_seconds() -> dict[str, float]:
     return out
 
 
-async def record(args: argparse.Namespace, tag: str, pids: dict[str, float]) -> list[asyncio.subprocess.Process]:
+async def record(args: argparse.Namespace, tag: str, processes: Iterable[str]) -> list[asyncio.subprocess.Process]:
     """With `--py-spy`: sample each Serve process and the client for `--py-spy-seconds`, as
     collapsed stacks beside `--out` (where the Ray path's time goes, process by process)."""
     if not args.py_spy:
         return []
     stem = Path(args.out).with_suffix("")
     spies = []
-    for name in pids:
+    for name in processes:  # "role pid", as `cpu_seconds` names them; the client has no pid
         role, _, pid = name.partition(" ")
         pid = pid or str(os.getpid())
         spies.append(await asyncio.create_subprocess_exec(
@@ -255,7 +267,7 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
     rng = random.Random(3)
 
     def batch() -> list[list[int]]:  # fresh prompts each round: no prefix hits between rounds
-        return [[rng.randrange(10, vocab) for _ in range(args.tp_prompt_tokens)] for _ in range(args.tp_requests)]
+        return random_prompts(rng, args.tp_requests, args.tp_prompt_tokens, vocab)
 
     for replicas in (1, 2):
         cfg = config(args, args.tp_memory)
@@ -276,7 +288,7 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
                     await spy.wait()
                 split.update(o[2] for o in out)
             cores = busy(cpu0, cpu_seconds(), time.perf_counter() - start)
-            routing = (await client.get("/health")).json().get("routing", {})
+            routing = (await health(client)).get("routing", {})
             gpus = gpus_of(cores) if args.device == "cuda" else {}
         rows.append({"part": "b", "variant": f"{replicas} replica(s)", "replicas": replicas,
                      "requests": args.tp_requests, "tokens": args.tp_requests * args.tp_max_tokens,
@@ -295,7 +307,7 @@ async def replacement(client: httpx.AsyncClient, before: set[str], victim: str, 
     """Seconds until two replicas answer /health again, the victim not among them (nan: not within `limit_s`)."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < limit_s:
-        now = {r["replica"] for r in (await client.get("/health")).json()["replicas"]}
+        now = {r["replica"] for r in (await health(client))["replicas"]}
         if len(now) == len(before) and victim not in now:
             return time.perf_counter() - t0
         await asyncio.sleep(0.5)
@@ -306,13 +318,13 @@ async def part_c(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
     from ray import serve
 
     rng = random.Random(5)
-    prompts = [[rng.randrange(10, vocab) for _ in range(args.tp_prompt_tokens)] for _ in range(args.kill_requests + 32)]
+    prompts = random_prompts(rng, args.kill_requests + 32, args.tp_prompt_tokens, vocab)
     prompts, checks = prompts[:-32], prompts[-32:]
     cfg = config(args, args.tp_memory)
     await asyncio.to_thread(deploy, cfg, 2, device=pick_device(cfg.cluster))
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await run_all(client, prompts[:4], 4, 4)  # warm-up
-        before = {r["replica"]: r["pid"] for r in (await client.get("/health")).json()["replicas"]}
+        before = {r["replica"]: r["pid"] for r in (await health(client))["replicas"]}
         sem = asyncio.Semaphore(args.kill_concurrency)
 
         async def go(p: list[int]) -> tuple[str, int, str, float]:
@@ -323,7 +335,7 @@ async def part_c(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(go(p)) for p in prompts]
         await asyncio.sleep(args.kill_after)
-        in_flight = (await client.get("/health")).json()["in_flight"]
+        in_flight = (await health(client))["in_flight"]
         victim = max(before, key=lambda r: in_flight.get(r, 0))
         os.kill(before[victim], signal.SIGKILL)
         killed = time.perf_counter()
