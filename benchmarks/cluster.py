@@ -87,6 +87,13 @@ def random_prompts(rng: random.Random, n: int, tokens: int, vocab: int) -> list[
     return [[rng.randrange(10, vocab) for _ in range(tokens)] for _ in range(n)]
 
 
+def http_client(url: str, timeout: float, connections: int | None = None) -> httpx.AsyncClient:
+    """At most `connections` streams open at once (None: no cap). httpx's own default, 100, held
+    every stream past the 100th back, whatever the replicas could take."""
+    return httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=connections),
+                             trust_env=False)
+
+
 async def health(client: httpx.AsyncClient) -> dict[str, Any]:
     return dict((await client.get("/health")).json())
 
@@ -168,7 +175,7 @@ async def part_a(args: argparse.Namespace, url: str, facts: tuple[int, int, int]
     for name, replicas, routing in variants:
         cfg = config(args, memory, routing)
         await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster))
-        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        async with http_client(url, 300) as client:
             for ratio in args.ratios:
                 rng = random.Random(hash((ratio, 7)))  # the same prompts for every variant
                 k = max(1, round(ratio * args.pool_blocks / blocks_per_prefix))
@@ -274,7 +281,7 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
         await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster))
         rounds: list[float] = []
         split: collections.Counter[str] = collections.Counter()
-        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        async with http_client(url, 600, args.connections or None) as client:
             # A whole untimed round first (8 tokens each): the batch shapes of the timed rounds
             # are then compiled already (on CUDA, a first use of a shape costs seconds).
             await run_all(client, batch(), 8, args.tp_requests, ignore_eos=True)
@@ -322,7 +329,7 @@ async def part_c(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
     prompts, checks = prompts[:-32], prompts[-32:]
     cfg = config(args, args.tp_memory)
     await asyncio.to_thread(deploy, cfg, 2, device=pick_device(cfg.cluster))
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    async with http_client(url, 600) as client:
         await run_all(client, prompts[:4], 4, 4)  # warm-up
         before = {r["replica"]: r["pid"] for r in (await health(client))["replicas"]}
         sem = asyncio.Semaphore(args.kill_concurrency)
@@ -399,6 +406,8 @@ def main() -> None:
     p.add_argument("--tp-prompt-tokens", type=int, default=64)
     p.add_argument("--tp-max-tokens", type=int, default=64)
     p.add_argument("--tp-memory", default="1GiB")
+    p.add_argument("--connections", type=int, default=0,
+                   help="(b) the client's cap on open streams (0: none; httpx's default was 100)")
     p.add_argument("--tp-repeat", type=int, default=3, help="(b) timed rounds per deployment (the median)")
     p.add_argument("--kill-requests", type=int, default=256)
     p.add_argument("--kill-concurrency", type=int, default=64)
