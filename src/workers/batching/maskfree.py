@@ -7,10 +7,12 @@ in `stream_generate`, which passes no mask). With no left padding that mask is a
 None instead computes the same attention over the same keys.
 
 `MaskFreeDecode.before_step` looks at the generation batch before each `BatchGenerator.next()`:
-when its rows changed, it reads the (tiny) left-padding array once and, if every row's padding is
-zero (one row; rows of equal length; shared padding trimmed by mlx-lm's `filter`), gives each
-layer's cache a `make_mask` that returns None for one-token steps. Any other cache type, or any
-padding, keeps mlx-lm's own mask. What this relies on is listed in `REQUIRED` and checked by
+when its rows changed, it asks whether any row is left-padded, without waiting for the answer
+(reading it at once would wait for the step in flight and break MLX's pipelined decode). The
+step runs masked, and at the next one, if the rows are the same and no row is padded (one row;
+rows of equal length; shared padding trimmed by mlx-lm's `filter`), each layer's cache gets a
+`make_mask` that returns None for one-token steps. Any other cache type, or any padding, keeps
+mlx-lm's own mask. What this relies on is listed in `REQUIRED` and checked by
 `check_mlx_lm()` (and by a test), so an mlx-lm upgrade that changes it fails loudly.
 """
 
@@ -101,6 +103,8 @@ class MaskFreeDecode:
         self._rows: tuple[int, ...] = ()
         self._caches: list[Any] = []
         self._on = False
+        self._padded: mx.array | None = None
+        """Whether any row is left-padded, asked when the rows last changed, not yet read."""
         self.mask_free_steps = 0
         self.masked_steps = 0
 
@@ -122,6 +126,11 @@ class MaskFreeDecode:
         if rows != self._rows or batch.prompt_cache is not self._caches:
             self._rows = rows
             self._switch(batch.prompt_cache)
+        elif self._padded is not None:
+            # Asked a step ago: computed by now (it was queued before the step just taken).
+            padded, self._padded = self._padded, None
+            if not padded.item():
+                self._turn_on()
         if self._on:
             self.mask_free_steps += 1
         else:
@@ -131,19 +140,23 @@ class MaskFreeDecode:
     def _switch(self, caches: list[Any]) -> None:
         for c in self._caches:
             vars(c).pop("make_mask", None)
-        self._caches = caches
+        self._caches, self._on, self._padded = caches, False, None
         # Only the plain batch cache: rotating and recurrent caches mask for other reasons.
-        plain = bool(caches) and all(type(c) is BatchKVCache for c in caches)
-        # A lone row has no padding (mlx-lm's filter trims what rows share). Otherwise one small
-        # read when the rows change (every layer shares the same padding); it waits for the
-        # step in flight, so the common one-stream case skips it.
-        self._on = plain and (len(self._rows) == 1 or not any(caches[0].left_padding.tolist()))
-        if self._on:
-            for c in caches:
-                c.make_mask = _decode_mask(type(c).make_mask.__get__(c))
+        if not caches or any(type(c) is not BatchKVCache for c in caches):
+            return
+        if len(self._rows) == 1:  # a lone row has no padding (mlx-lm's filter trims what rows share)
+            self._turn_on()
+        else:  # every layer shares the same padding
+            self._padded = mx.any(caches[0].left_padding)
+            mx.async_eval(self._padded)  # type: ignore[no-untyped-call]
+
+    def _turn_on(self) -> None:
+        self._on = True
+        for c in self._caches:
+            c.make_mask = _decode_mask(type(c).make_mask.__get__(c))
 
     def reset(self) -> None:
         """Forget the batch (the generator was replaced)."""
         for c in self._caches:
             vars(c).pop("make_mask", None)
-        self._rows, self._caches, self._on = (), [], False
+        self._rows, self._caches, self._on, self._padded = (), [], False, None
