@@ -276,37 +276,46 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
     def batch() -> list[list[int]]:  # fresh prompts each round: no prefix hits between rounds
         return random_prompts(rng, args.tp_requests, args.tp_prompt_tokens, vocab)
 
+    conns: list[int] = args.connections
     for replicas in (1, 2):
         cfg = config(args, args.tp_memory)
         await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster))
-        rounds: list[float] = []
+        rounds: dict[int, list[float]] = {c: [] for c in conns}
         split: collections.Counter[str] = collections.Counter()
-        async with http_client(url, 600, args.connections or None) as client:
+        clients = [http_client(url, 600, c or None) for c in conns]
+        try:
             # A whole untimed round first (8 tokens each): the batch shapes of the timed rounds
             # are then compiled already (on CUDA, a first use of a shape costs seconds).
-            await run_all(client, batch(), 8, args.tp_requests, ignore_eos=True)
+            await run_all(clients[0], batch(), 8, args.tp_requests, ignore_eos=True)
             cpu0, start = cpu_seconds(), time.perf_counter()
             for i in range(args.tp_repeat):
-                t0 = time.perf_counter()
-                spies = await record(args, f"{replicas}rep", cpu0) if i == 1 else []
-                out = await run_all(client, batch(), args.tp_max_tokens, args.tp_requests, ignore_eos=True)
-                rounds.append(sum(o[1] for o in out) / (time.perf_counter() - t0))
-                for spy in spies:
-                    await spy.wait()
-                split.update(o[2] for o in out)
+                for j, (c, client) in enumerate(zip(conns, clients, strict=True)):  # interleaved
+                    t0 = time.perf_counter()
+                    spies = await record(args, f"{replicas}rep", cpu0) if (i, j) == (1, 0) else []
+                    out = await run_all(client, batch(), args.tp_max_tokens, args.tp_requests, ignore_eos=True)
+                    rounds[c].append(sum(o[1] for o in out) / (time.perf_counter() - t0))
+                    for spy in spies:
+                        await spy.wait()
+                    split.update(o[2] for o in out)
             cores = busy(cpu0, cpu_seconds(), time.perf_counter() - start)
-            routing = (await health(client)).get("routing", {})
+            routing = (await health(clients[0])).get("routing", {})
             gpus = gpus_of(cores) if args.device == "cuda" else {}
-        rows.append({"part": "b", "variant": f"{replicas} replica(s)", "replicas": replicas,
-                     "requests": args.tp_requests, "tokens": args.tp_requests * args.tp_max_tokens,
-                     "rounds_tokens_per_s": rounds, "tokens_per_s": statistics.median(rounds),
-                     "cores_busy": cores, "requests_per_replica": sorted(split.values(), reverse=True),
-                     "routing": routing, "gpus": gpus})
-        print_row(rows[-1])
+        finally:
+            for client in clients:
+                await client.aclose()
+        for c in conns:
+            open_at_once = f", at most {c} open" if c else ", all open"
+            rows.append({"part": "b", "variant": f"{replicas} replica(s)" + (open_at_once if len(conns) > 1 else ""),
+                         "replicas": replicas, "connections": c or None,
+                         "requests": args.tp_requests, "tokens": args.tp_requests * args.tp_max_tokens,
+                         "rounds_tokens_per_s": rounds[c], "tokens_per_s": statistics.median(rounds[c]),
+                         "cores_busy": cores, "requests_per_replica": sorted(split.values(), reverse=True),
+                         "routing": routing, "gpus": gpus})
+            print_row(rows[-1])
         serve.delete(APP_NAME)
-    if len(rows) == 2:
-        rows[1]["speedup"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
-        print(f"  2 replicas / 1 replica tokens/s (medians): {rows[1]['speedup']:.2f}x")
+    for one, two in zip(rows, rows[len(conns):], strict=False):
+        two["speedup"] = two["tokens_per_s"] / one["tokens_per_s"]
+        print(f"  {two['variant']} / 1 replica tokens/s (medians): {two['speedup']:.2f}x")
     return rows
 
 
@@ -406,8 +415,9 @@ def main() -> None:
     p.add_argument("--tp-prompt-tokens", type=int, default=64)
     p.add_argument("--tp-max-tokens", type=int, default=64)
     p.add_argument("--tp-memory", default="1GiB")
-    p.add_argument("--connections", type=int, default=0,
-                   help="(b) the client's cap on open streams (0: none; httpx's default was 100)")
+    p.add_argument("--connections", type=int, nargs="+", default=[0],
+                   help="(b) the client's cap on open streams (0: none; httpx's default was 100); "
+                        "several: each deployment's rounds interleave them")
     p.add_argument("--tp-repeat", type=int, default=3, help="(b) timed rounds per deployment (the median)")
     p.add_argument("--kill-requests", type=int, default=256)
     p.add_argument("--kill-concurrency", type=int, default=64)

@@ -39,7 +39,8 @@
 #               at once; (c) a replica killed 4 s into 512 requests at concurrency 128. Model
 #               names in $MODELS may be named models (smollm2-135m, staged by
 #               benchmarks/stage_smollm2.sh); both need Ray staged (the cluster stage). $CLUSTER_ARGS
-#               adds options (e.g. "--py-spy PATH": each process's stacks in (b)'s second round)
+#               adds options (e.g. "--py-spy PATH": each process's stacks in (b)'s second round;
+#               "--connections 100 0": the client's cap on open streams, both interleaved)
 #   served      benchmarks/peers.py at 1 8 64: our server over HTTP beside the in-process
 #               scheduler and mlx_lm.server, one client for all (the served path should keep >= 0.97x of in-process at 64)
 #   served-8b   the same for Llama-3.1-8B's shape (benchmarks/shapes.py builds it, ~16 GB, once),
