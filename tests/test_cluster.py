@@ -262,6 +262,7 @@ def test_health_and_metrics_cover_every_replica(cluster: str) -> None:
         time.sleep(0.2)
     assert sum(body["in_flight"].values()) <= len(replicas) and set(body["in_flight"]) <= {r["replica"] for r in replicas}
     assert len(replicas) == 2 and all(r["stats"]["blocks_total"] > 0 for r in replicas)
+    assert body["unreachable"] == []
     assert sum(r["stats"]["finished"] for r in replicas) > 0
     text = httpx.get(f"{cluster}/metrics", timeout=30).text
     for r in replicas:
@@ -292,6 +293,26 @@ def test_a_call_for_a_replica_that_is_gone_neither_spins_nor_blocks_the_router(c
     asked = router.reasons["target"]
     time.sleep(2)
     assert router.reasons["target"] - asked <= 2  # dropped: at most the pass that saw it cancelled
+
+
+def test_a_stuck_replica_is_named_by_health_not_waited_for(cluster: str) -> None:
+    from scheduler.serving.cluster.frontend import FAN_OUT_TIMEOUT_S
+
+    before = {r["replica"]: r["pid"] for r in health(cluster)["replicas"]}
+    stuck, other = sorted(before)
+    os.kill(before[stuck], signal.SIGSTOP)
+    try:
+        # Before, /health waited 10 s for each replica that did not answer.
+        reply = httpx.get(f"{cluster}/health", timeout=4 * FAN_OUT_TIMEOUT_S)
+    finally:
+        os.kill(before[stuck], signal.SIGCONT)
+    assert reply.status_code == 200
+    body = reply.json()
+    assert [r["replica"] for r in body["replicas"]] == [other] and body["unreachable"] == [stuck]
+    deadline = time.monotonic() + 60  # it answers again once resumed
+    while health(cluster)["unreachable"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert {r["replica"] for r in health(cluster)["replicas"]} == set(before)
 
 
 def test_a_killed_replica_ends_its_requests_and_is_replaced(cluster: str) -> None:

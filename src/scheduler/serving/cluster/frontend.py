@@ -50,6 +50,10 @@ if TYPE_CHECKING:
     from scheduler.streaming.stream import RequestStream
 
 log = structlog.get_logger("scheduler.cluster")
+FAN_OUT_TIMEOUT_S = 2.0
+"""How long /health and /metrics wait for each replica. A stuck or dying one is named in
+/health's "unreachable" rather than waited for: a load balancer's health check gives up within
+seconds, and a dying replica held /health for 10 s."""
 REPLICA_HEADER = "x-replica"
 OPENING_TRIES = 3
 REPLICA_FAILED = -1  # the request id of the error chunk that stands for a dead replica
@@ -339,18 +343,22 @@ class Frontend:
         card = rs.ModelCard(self._model_name, "model", self._created, "mlx-scheduler", self._context)
         return json_response(rs.ModelList("list", [card]))
 
-    async def _fan_out(self, method: str) -> list[Any]:
-        """`method` of every live replica, each reached by naming it to our router. One at a
-        time: Serve gives calls made inside one request the same internal id, and two of them
-        pending at once leave one unrouted."""
+    async def _fan_out(self, method: str) -> tuple[list[Any], list[str]]:
+        """`method` of every live replica, each reached by naming it to our router, and the
+        replicas that did not answer within `FAN_OUT_TIMEOUT_S`. One at a time: Serve gives calls
+        made inside one request the same internal id, and two of them pending at once leave one
+        unrouted."""
         ids = ROUTERS[-1].live() if ROUTERS else []
         out: list[Any] = []
+        unreachable: list[str] = []
         for i in ids:
             try:
-                out.append(await asyncio.wait_for(getattr(self._backend, method).remote(target=i), 10))
-            except Exception as exc:  # a dead or stuck replica is left out, and logged
+                out.append(await asyncio.wait_for(getattr(self._backend, method).remote(target=i),
+                                                  FAN_OUT_TIMEOUT_S))
+            except Exception as exc:  # a dead or stuck replica is reported, and logged
                 log.warning("replica_unreachable", replica=i, method=method, error=repr(exc))
-        return out
+                unreachable.append(i)
+        return out, unreachable
 
     async def _tokenize(self, request: Request, rid: str) -> Response:
         assert self._prompts is not None  # __call__ waited for _start
@@ -363,16 +371,18 @@ class Frontend:
         return json_response(tk.detokenize(body, self._prompts, self._vocab))
 
     async def _health(self, request: Request, rid: str) -> Response:
-        replicas = [r for r in await self._fan_out("replica_stats") if isinstance(r, dict)]
+        answers, unreachable = await self._fan_out("replica_stats")
+        replicas = [r for r in answers if isinstance(r, dict)]
         router = ROUTERS[-1] if ROUTERS else None
         body = {"status": "ok" if replicas else "starting", "model": self._model_name,
-                "replicas": replicas, "routing": dict(router.reasons) if router else {},
+                "replicas": replicas, "unreachable": unreachable,
+                "routing": dict(router.reasons) if router else {},
                 "in_flight": dict(router.inflight) if router else {}}
         return Response(msgspec.json.encode(body), 200 if replicas else 503,
                         media_type="application/json")
 
     async def _metrics(self, request: Request, rid: str) -> Response:
-        texts = [t for t in await self._fan_out("prometheus") if isinstance(t, str)]
+        texts = [t for t in (await self._fan_out("prometheus"))[0] if isinstance(t, str)]
         return Response(merge(texts), media_type=PROMETHEUS)
 
 
