@@ -4,7 +4,8 @@
 # Stages (default: decode overhead peers-low peers-high), each for every model in $MODELS:
 #   decode      benchmarks/decode_step.py --profile (llama-3.2-1b only: the shape of our H100 overhead figures)
 #   overhead    benchmarks/overhead.py at $CONCURRENCY (1 8 32 64 128 256), warmed up; $OVERHEAD_ARGS
-#               adds options (e.g. "--prefix-cache off": what keeping prompts' blocks costs)
+#               adds options (e.g. "--prefix-cache off": what keeping prompts' blocks costs, which
+#               needs "--block-tokens 16": the default 256 keeps no block of a 128-token prompt)
 #   peers-low   benchmarks/peers.py, all four backends at 1 8 32
 #   peers-high  benchmarks/peers.py at 64 128 256, without sequential stream_generate (it would
 #               take minutes per level: one request at a time)

@@ -129,6 +129,9 @@ def main() -> None:
     ap.add_argument("--prefix-cache", choices=["on", "off"], default="on",
                     help="[kvpool] prefix_cache for our side (the bare loop keeps nothing): off "
                          "shows what keeping each prompt's blocks for reuse costs")
+    ap.add_argument("--block-tokens", type=int, default=256,
+                    help="[kvpool] block_tokens (256, the default, keeps no block of a prompt under "
+                         "257 tokens; 16 keeps every 16 tokens, as vLLM's blocks)")
     ap.add_argument("--stream", action="store_true",
                     help="our clients stream with generate() (a chunk per step) instead of complete()")
     ap.add_argument("--out", default="benchmarks/results/overhead.json")
@@ -148,7 +151,8 @@ def main() -> None:
         config = SchedulerConfig.from_toml(
             f'[model]\npath = "{args.model}"\n[worker]\nmax_batch = {n}\n'
             f"step_token_budget = {budget}\n"
-            f'[kvpool]\nmemory = "8GiB"\nprefix_cache = {str(args.prefix_cache == "on").lower()}\n'
+            f'[kvpool]\nmemory = "8GiB"\nblock_tokens = {args.block_tokens}\n'
+            f'prefix_cache = {str(args.prefix_cache == "on").lower()}\n'
         )
         w = config.worker
         warm = make_prompts(max(n, 8), args.prompt_tokens, info.vocab_size, args.seed + n + 10**6)
@@ -207,7 +211,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "model": args.model, "step_token_budget": args.budget, "stream": args.stream, "prefix_cache": args.prefix_cache, "repeat": args.repeat, "warmup": args.warmup, "waves": args.waves, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "model": args.model, "step_token_budget": args.budget, "stream": args.stream, "prefix_cache": args.prefix_cache, "block_tokens": args.block_tokens, "repeat": args.repeat, "warmup": args.warmup, "waves": args.waves, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
         "device": str(mx.default_device()), "mlx": mx.__version__, "python": sys.version.split()[0],
         "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
     }
