@@ -182,11 +182,19 @@ def test_full_queues_answer_429_and_nothing_else_is_lost(cluster: str) -> None:
     the overflow gets the single-process server's 429; every other request runs to its end."""
     body = {"prompt": "once upon a time", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
 
-    async def main() -> list[httpx.Response]:
+    async def main() -> tuple[list[httpx.Response], list[dict[str, Any]]]:
         async with httpx.AsyncClient(base_url=cluster, timeout=120) as c:
-            return list(await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(48))))
+            posts = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(48)]
+            # While they run: replicas with requests queued behind their 8 rows.
+            busy: list[dict[str, Any]] = []
+            while not busy and not all(p.done() for p in posts):
+                replicas = (await c.get("/health")).json()["replicas"]
+                if all(r["stats"]["waiting"] > 0 for r in replicas):
+                    busy = replicas
+                await asyncio.sleep(0.05)
+            return list(await asyncio.gather(*posts)), busy
 
-    replies = asyncio.run(main())
+    replies, busy = asyncio.run(main())
     full = [r for r in replies if r.status_code == 429]
     done = [r for r in replies if r.status_code == 200]
     assert len(full) + len(done) == 48, [r.text for r in replies if r.status_code not in (200, 429)]
@@ -196,6 +204,11 @@ def test_full_queues_answer_429_and_nothing_else_is_lost(cluster: str) -> None:
     assert all(r.json()["usage"]["completion_tokens"] == 1500 for r in done)
     stats = [r["stats"] for r in health(cluster)["replicas"]]
     assert all(s["running"] == 0 and s["waiting"] == 0 for s in stats), stats
+    # Queued requests hold a stream open but send nothing: they take no share of the replica's
+    # budget of streamed messages, which the rows that are sending share.
+    assert len(busy) == 2, busy
+    for r in busy:
+        assert r["streams"]["sending"] <= r["stats"]["running"] < r["streams"]["open"], r
 
 
 def test_eight_sessions_stay_on_their_replica(cluster: str) -> None:

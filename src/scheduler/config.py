@@ -201,10 +201,11 @@ class ClusterSection(_Section):
     probe_deadline_s: PositiveFloat = 1.0
     """Serve's queue-length probe deadline (its default 0.1 s sent session turns elsewhere)."""
     stream_messages_per_s: PositiveFloat = 640.0
-    """A replica's budget of streamed messages a second, shared by its open streams: each message
-    crosses Ray twice (to the frontend, then the proxy), and their cost per message, not per
-    token, limits the Ray path. Below the budget every step's tokens go as they come; above it a
-    stream's tokens wait to go together, up to `stream_interval_s`."""
+    """A replica's budget of streamed messages a second, shared by its streams that are sending
+    (past their first token; a queued request sends nothing): each message crosses Ray twice (to
+    the frontend, then the proxy), and their cost per message, not per token, limits the Ray
+    path. Below the budget every step's tokens go as they come; above it a stream's tokens wait
+    to go together, up to `stream_interval_s`."""
     stream_interval_s: NonNegativeFloat = 0.25
     """The longest a stream's tokens wait for one another (the first text and the end go at once).
     0: every step's tokens as they come, whatever the load."""

@@ -59,7 +59,8 @@ class SchedulerReplica:
         self._stop = asyncio.Event()
         self._failure: BaseException | None = None
         self._served: OrderedDict[int, None] = OrderedDict()
-        self._streams = 0  # open `generate` streams, which share `stream_messages_per_s`
+        self._open = 0  # open `generate` streams
+        self._sending = 0  # of those, the ones past their first chunk: they share `stream_messages_per_s`
         self._owner = asyncio.get_running_loop().create_task(self._own())
         await self._ready.wait()
         if self._failure is not None:
@@ -96,25 +97,29 @@ class SchedulerReplica:
     async def generate(self, job: Job) -> AsyncIterator[tuple[Any, ...]]:
         yield ("replica", self._id)
         c = self._config.cluster
-        self._streams += 1
+        self._open += 1
+        sending = False
         try:
             stream = self.sched.submit(job.request)
             async with stream:
                 sent, shown = None, False
                 async for chunk in stream:
-                    if sent is None:
+                    if not sending:  # a request still queued sends nothing: it takes no budget
                         self._remember(job.keys)
+                        self._sending, sending = self._sending + 1, True
                     chunks = [chunk, *stream.ready()]
                     # Until some text has gone (TTFT), and at the end, nothing waits.
                     if shown and sent is not None and all(x.finish_reason is None for x in chunks):
-                        wait = min(c.stream_interval_s, self._streams / c.stream_messages_per_s)
+                        wait = min(c.stream_interval_s, self._sending / c.stream_messages_per_s)
                         chunks += await stream.ready_by(sent + wait)
                     yield ("chunks", chunks)
                     sent, shown = anyio.current_time(), shown or any(x.text for x in chunks)
         except SchedulerError as exc:
             yield ("error", type(exc).__name__, str(exc))
         finally:
-            self._streams -= 1
+            self._open -= 1
+            if sending:
+                self._sending -= 1
 
     def _remember(self, keys: tuple[int, ...]) -> None:
         for key in keys:
@@ -125,6 +130,7 @@ class SchedulerReplica:
 
     async def replica_stats(self, target: str | None = None) -> dict[str, Any]:
         return {"replica": self._id, "pid": os.getpid(),
+                "streams": {"open": self._open, "sending": self._sending},
                 "stats": msgspec.to_builtins(self.sched.stats())}
 
     async def prometheus(self, target: str | None = None) -> str:
