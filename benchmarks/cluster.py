@@ -281,6 +281,7 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
         cfg = config(args, args.tp_memory)
         await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster))
         rounds: dict[int, list[float]] = {c: [] for c in conns}
+        ttfts: dict[int, list[float]] = {c: [] for c in conns}
         split: collections.Counter[str] = collections.Counter()
         clients = [http_client(url, 600, c or None) for c in conns]
         try:
@@ -294,6 +295,7 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
                     spies = await record(args, f"{replicas}rep", cpu0) if (i, j) == (1, 0) else []
                     out = await run_all(client, batch(), args.tp_max_tokens, args.tp_requests, ignore_eos=True)
                     rounds[c].append(sum(o[1] for o in out) / (time.perf_counter() - t0))
+                    ttfts[c] += [o[0] for o in out]
                     for spy in spies:
                         await spy.wait()
                     split.update(o[2] for o in out)
@@ -309,6 +311,8 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
                          "replicas": replicas, "connections": c or None,
                          "requests": args.tp_requests, "tokens": args.tp_requests * args.tp_max_tokens,
                          "rounds_tokens_per_s": rounds[c], "tokens_per_s": statistics.median(rounds[c]),
+                         "ttft_p50_ms": 1e3 * percentile(ttfts[c], 0.5),
+                         "ttft_p99_ms": 1e3 * percentile(ttfts[c], 0.99),
                          "cores_busy": cores, "requests_per_replica": sorted(split.values(), reverse=True),
                          "routing": routing, "gpus": gpus})
             print_row(rows[-1])
@@ -389,7 +393,9 @@ def print_row(r: dict[str, Any]) -> None:
     else:
         each = ", ".join(f"{x:.0f}" for x in r["rounds_tokens_per_s"])
         print(f"  {r['variant']:<13} {r['requests']} requests x {r['tokens'] // r['requests']} tokens: "
-              f"median {r['tokens_per_s']:.0f} tok/s (rounds: {each})", flush=True)
+              f"median {r['tokens_per_s']:.0f} tok/s (rounds: {each}); a round "
+              f"{r['tokens'] / r['tokens_per_s']:.1f} s, TTFT p50 / p99 {r['ttft_p50_ms']:.0f} / "
+              f"{r['ttft_p99_ms']:.0f} ms", flush=True)
         print("    cores busy: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cores_busy"].items())
               + f"; requests per replica {r['requests_per_replica']}, routing {r['routing']}"
               + (f"; GPUs held {r['gpus']}" if r.get("gpus") else ""), flush=True)
