@@ -309,7 +309,7 @@ def test_a_call_for_a_replica_that_is_gone_neither_spins_nor_blocks_the_router(c
 
 
 def test_a_stuck_replica_is_named_by_health_not_waited_for(cluster: str) -> None:
-    from scheduler.serving.cluster.frontend import FAN_OUT_TIMEOUT_S
+    from scheduler.serving.cluster.reports import FAN_OUT_TIMEOUT_S
 
     before = {r["replica"]: r["pid"] for r in health(cluster)["replicas"]}
     stuck, other = sorted(before)

@@ -12,23 +12,20 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, cast
 
 import anyio
-import msgspec
 import structlog
-from starlette.responses import Response
 
 from scheduler import errors
 from scheduler.admission.kvplan import prompt_keys
 from scheduler.request import chat_template_ids
 from scheduler.serving.cluster import grpc_by_default
-from scheduler.serving.cluster.prom import merge
 from scheduler.serving.cluster.replica import Job
-from scheduler.serving.cluster.routing import ROUTERS
+from scheduler.serving.cluster.reports import ReplicaReports
 from scheduler.serving.http import anthropic, responses_api
 from scheduler.serving.http import requests as rq
 from scheduler.serving.http import responses as rs
 from scheduler.serving.http import tokens as tk
 from scheduler.serving.http.access import Access
-from scheduler.serving.http.app import DEFAULT_MAX_TOKENS, PROMETHEUS
+from scheduler.serving.http.app import DEFAULT_MAX_TOKENS
 from scheduler.serving.http.bodies import read_body
 from scheduler.serving.http.chat import plan_chat
 from scheduler.serving.http.errors import ApiError, from_scheduler, internal, json_response, not_found
@@ -44,16 +41,13 @@ if TYPE_CHECKING:
 
     from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
     from starlette.requests import Request
+    from starlette.responses import Response
 
     from scheduler.config import SchedulerConfig
     from scheduler.request import Request as GenRequest
     from scheduler.streaming.stream import RequestStream
 
 log = structlog.get_logger("scheduler.cluster")
-FAN_OUT_TIMEOUT_S = 2.0
-"""How long /health and /metrics wait for each replica. A stuck or dying one is named in
-/health's "unreachable" rather than waited for: a load balancer's health check gives up within
-seconds, and a dying replica held /health for 10 s."""
 REPLICA_HEADER = "x-replica"
 OPENING_TRIES = 3
 REPLICA_FAILED = -1  # the request id of the error chunk that stands for a dead replica
@@ -140,6 +134,7 @@ class Frontend:
 
     def __init__(self, backend: DeploymentHandle, config: SchedulerConfig, model_name: str | None) -> None:
         self._backend = backend
+        self._reports = ReplicaReports(backend)
         # A handle's options travel with it from the process that built the application: the
         # replicas' streams go by value over gRPC where this process's Serve runs gRPC
         # (`cluster.app.start_ray` turns it on), as its own default handles would.
@@ -343,23 +338,6 @@ class Frontend:
         card = rs.ModelCard(self._model_name, "model", self._created, "mlx-scheduler", self._context)
         return json_response(rs.ModelList("list", [card]))
 
-    async def _fan_out(self, method: str) -> tuple[list[Any], list[str]]:
-        """`method` of every live replica, each reached by naming it to our router, and the
-        replicas that did not answer within `FAN_OUT_TIMEOUT_S`. One at a time: Serve gives calls
-        made inside one request the same internal id, and two of them pending at once leave one
-        unrouted."""
-        ids = ROUTERS[-1].live() if ROUTERS else []
-        out: list[Any] = []
-        unreachable: list[str] = []
-        for i in ids:
-            try:
-                out.append(await asyncio.wait_for(getattr(self._backend, method).remote(target=i),
-                                                  FAN_OUT_TIMEOUT_S))
-            except Exception as exc:  # a dead or stuck replica is reported, and logged
-                log.warning("replica_unreachable", replica=i, method=method, error=repr(exc))
-                unreachable.append(i)
-        return out, unreachable
-
     async def _tokenize(self, request: Request, rid: str) -> Response:
         assert self._prompts is not None  # __call__ waited for _start
         body = await read_body(request, self._body_timeout_s)
@@ -371,19 +349,10 @@ class Frontend:
         return json_response(tk.detokenize(body, self._prompts, self._vocab))
 
     async def _health(self, request: Request, rid: str) -> Response:
-        answers, unreachable = await self._fan_out("replica_stats")
-        replicas = [r for r in answers if isinstance(r, dict)]
-        router = ROUTERS[-1] if ROUTERS else None
-        body = {"status": "ok" if replicas else "starting", "model": self._model_name,
-                "replicas": replicas, "unreachable": unreachable,
-                "routing": dict(router.reasons) if router else {},
-                "in_flight": dict(router.inflight) if router else {}}
-        return Response(msgspec.json.encode(body), 200 if replicas else 503,
-                        media_type="application/json")
+        return await self._reports.health(self._model_name)
 
     async def _metrics(self, request: Request, rid: str) -> Response:
-        texts = [t for t in (await self._fan_out("prometheus"))[0] if isinstance(t, str)]
-        return Response(merge(texts), media_type=PROMETHEUS)
+        return await self._reports.metrics()
 
 
 class FrontendPrompts:
