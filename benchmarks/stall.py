@@ -9,9 +9,10 @@ JSON and a PNG of ITL over time.
 
 `--variants` instead runs the closed loop for each budget setting side by side, `--repeat` times
 in rotating order, with prompt lengths drawn from `--prompt-min`..`--prompt-max`, and prints the
-medians with each one's ratios to budget 0. A setting ending in `:keepcache` runs with MLX's
-`clear_cache` made a no-op (mlx-lm clears the allocator cache after every prefill chunk), to
-measure what that costs:
+medians with each one's ratios to budget 0. Flags after a colon change one thing each:
+`:keepcache` makes MLX's `clear_cache` a no-op (mlx-lm clears the allocator cache after every
+prefill chunk), `:queued` / `:blocking` set `[worker] prefill_chunks`, and `:mlxpad` uses mlx-lm's
+own batch-cache filter, which waits for the device to read the rows' padding:
 
     python benchmarks/stall.py --variants 0 auto 256 auto:keepcache --prompt-min 64 --prompt-max 512 \
         --concurrency 32 --max-tokens 48 --seconds 20 --repeat 3
@@ -34,8 +35,12 @@ import anyio
 
 from metrics import configure_logging, summarize
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
+from workers.batching import hostpad
 
 PEER = "mlx_lm.server"
+FLAGS = ("keepcache", "queued", "blocking", "mlxpad")
+"""Variant flags: MLX's clear_cache a no-op; prefill chunks queued or blocking; mlx-lm's own
+batch-cache filter (it reads the rows' padding from the device) instead of ours."""
 
 
 class Trace:
@@ -109,11 +114,11 @@ async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float 
     return trace.result(wall)
 
 
-def make_config(args: argparse.Namespace, budget: str) -> SchedulerConfig:
+def make_config(args: argparse.Namespace, budget: str, chunks: str = "auto") -> SchedulerConfig:
     return SchedulerConfig.from_toml(
         f'[model]\npath = "{args.model}"\n[worker]\nmax_batch = {args.concurrency}\n'
         f"prefill_batch = {args.prefill_batch}\nprefill_step = {args.prefill_step}\n"
-        f"step_token_budget = {budget}\n"
+        f'step_token_budget = {budget}\nprefill_chunks = "{chunks}"\n'
     )
 
 
@@ -132,7 +137,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/stall.json")
     ap.add_argument("--prompt-min", type=int, default=0, help="with --prompt-max: random prompt lengths")
     ap.add_argument("--prompt-max", type=int, default=0)
-    ap.add_argument("--variants", nargs="+", default=None, help='budget settings: 0, "auto", tokens; ":keepcache"')
+    ap.add_argument("--variants", nargs="+", default=None, help='budget settings: 0, "auto", tokens; flags :keepcache :queued :blocking :mlxpad')
     ap.add_argument("--repeat", type=int, default=1)
     args = ap.parse_args()
     configure_logging(level="warning")
@@ -209,16 +214,22 @@ def compare(args: argparse.Namespace) -> None:
     for rep in range(args.repeat):
         order = args.variants[rep % len(args.variants):] + args.variants[:rep % len(args.variants)]
         for variant in order:
-            budget, _, flag = variant.partition(":")
+            budget, *flags = variant.split(":")
+            unknown = set(flags) - set(FLAGS)
+            if unknown:
+                raise SystemExit(f"unknown variant flag(s) {sorted(unknown)} in {variant!r}; known: {FLAGS}")
             budget = f'"{budget}"' if budget == "auto" else budget
-            mx.clear_cache = (lambda: None) if flag == "keepcache" else clear  # type: ignore[assignment]
+            chunks = next((f for f in flags if f in ("queued", "blocking")), "auto")
+            mx.clear_cache = (lambda: None) if "keepcache" in flags else clear  # type: ignore[assignment]
+            hostpad.ENABLED = "mlxpad" not in flags
             try:
                 if variant == PEER:
                     result = run_peer(args)
                 else:
-                    result = anyio.run(lambda b=budget: run(make_config(args, b), args, rate=None))
+                    result = anyio.run(lambda b=budget, c=chunks: run(make_config(args, b, c), args, rate=None))
             finally:
                 mx.clear_cache = clear  # type: ignore[assignment]
+                hostpad.ENABLED = True
             traces.setdefault(variant, result.pop("itl_trace"))
             runs[variant].append(result)
             loads.append(os.getloadavg()[0])

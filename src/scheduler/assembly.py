@@ -29,6 +29,7 @@ def real_engine_factory(c: SchedulerConfig) -> EngineFactory[Loaded]:
         prefill_batch=c.worker.prefill_batch,
         prefill_step=c.worker.prefill_step,
         step_token_budget=c.worker.step_token_budget,
+        prefill_chunks=c.worker.prefill_chunks,
         block_tokens=c.kvpool.block_tokens,
         cuda_graphs=c.worker.cuda_graphs,
         fold_quantized=c.worker.fold_quantized,

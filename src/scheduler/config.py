@@ -98,6 +98,10 @@ class WorkerSection(_Section):
     """Prompt tokens prefilled per engine step while others decode: bounds their inter-token
     latency (stall-free batching). "auto": on CPU, what keeps a full batch fed, spread over steps,
     at most max(64, max_batch) tokens; on a GPU, off. 0 turns the bound off."""
+    prefill_chunks: Literal["auto", "queued", "blocking"] = "auto"
+    """While others decode: "queued" hands each prefill chunk to MLX without waiting for it and
+    keeps the allocator's cache; "blocking" waits for each and empties the cache, as mlx-lm does.
+    "auto": queued on every backend (docs/stalls.md has the measurements)."""
     on_failure: Literal["restart", "close"] = "restart"
     """After a failed step: a fresh BatchGenerator serves the queue, or the scheduler closes."""
     fold_quantized: bool = True

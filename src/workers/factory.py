@@ -76,6 +76,7 @@ def mlx_engine_factory(
     prefill_batch: int,
     prefill_step: int,
     step_token_budget: int | str = "auto",
+    prefill_chunks: str = "auto",
     block_tokens: int = 256,
     cuda_graphs: str = "auto",
     fold_quantized: bool = True,
@@ -104,6 +105,7 @@ def mlx_engine_factory(
             prefill_batch=prefill_batch,
             prefill_step=prefill_step,
             step_token_budget=step_token_budget,
+            queue_chunks=None if prefill_chunks == "auto" else prefill_chunks == "queued",
             block_tokens=block_tokens,
             grammar=grammar,
         )

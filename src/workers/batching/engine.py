@@ -28,7 +28,6 @@ from workers.batching.mlxlm import (
 )
 from workers.batching.prefill import PipelinedPrefill, install
 from workers.batching.samplers import Samplers
-from workers.cuda import on_cuda
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -86,10 +85,10 @@ class MLXEngine:
         # mlx-lm is only partly typed; the generator is used through its documented methods.
         self._gen: Any = BatchGenerator(model, **self._batching)
         self._pipelined = pipelined_prefill
-        # Measured on an H100: chunks that were only queued, with the allocator's cache kept,
-        # prefilled 2.5x slower than mlx-lm's blocking, cache-clearing ones (0.5B shape, with
-        # cuDNN's attention on).
-        self._queue_chunks = not on_cuda() if queue_chunks is None else queue_chunks
+        # Queued chunks keep MLX's decode pipeline; measured on two H200s (docs/stalls.md) they
+        # gave 1.15-1.24x the tokens/s of blocking ones at budget 0, with lower ITL p99. (They
+        # had been 2.5x slower on an H100 while cuDNN's attention built a graph per chunk shape.)
+        self._queue_chunks = True if queue_chunks is None else queue_chunks
         self._prefill: PipelinedPrefill | None = None
         self.on_queue: Callable[[], None] | None = None
         self._install()

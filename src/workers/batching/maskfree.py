@@ -7,9 +7,10 @@ in `stream_generate`, which passes no mask). With no left padding that mask is a
 None instead computes the same attention over the same keys.
 
 `MaskFreeDecode.before_step` looks at the generation batch before each `BatchGenerator.next()`:
-when its rows changed, it asks whether any row is left-padded, without waiting for the answer
-(reading it at once would wait for the step in flight and break MLX's pipelined decode). The
-step runs masked, and at the next one, if the rows are the same and no row is padded (one row;
+when its rows changed, it asks whether any row is left-padded. When the rows' padding is known on
+the host (rows left: `HostPaddedKVCache`), it decides at once; otherwise it asks without waiting
+for the answer (reading it at once would wait for the step in flight and break MLX's pipelined
+decode), that step runs masked, and at the next one, if the rows are the same and no row is padded (one row;
 rows of equal length; shared padding trimmed by mlx-lm's `filter`), each layer's cache gets a
 `make_mask` that returns None for one-token steps. Any other cache type, or any padding, keeps
 mlx-lm's own mask. What this relies on is listed in `REQUIRED` and checked by
@@ -26,12 +27,15 @@ import structlog
 from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache
 
+from workers.batching.hostpad import HostPaddedKVCache
 from workers.batching.mlxlm import generation_batch, missing_generator_fields
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
 log = structlog.get_logger(__name__)
+PLAIN = (BatchKVCache, HostPaddedKVCache)
+"""The batch caches whose only mask is for left padding."""
 
 REQUIRED = (
     "BatchGenerator._generation_batch",
@@ -142,10 +146,15 @@ class MaskFreeDecode:
             vars(c).pop("make_mask", None)
         self._caches, self._on, self._padded = caches, False, None
         # Only the plain batch cache: rotating and recurrent caches mask for other reasons.
-        if not caches or any(type(c) is not BatchKVCache for c in caches):
+        if not caches or any(type(c) not in PLAIN for c in caches):
             return
+        first = caches[0]
+        known = first._host if isinstance(first, HostPaddedKVCache) else None
         if len(self._rows) == 1:  # a lone row has no padding (mlx-lm's filter trims what rows share)
             self._turn_on()
+        elif known is not None and known[0] is first.left_padding:
+            if not any(known[1]):  # the padding is known on the host (a filter made it)
+                self._turn_on()
         else:  # every layer shares the same padding
             self._padded = mx.any(caches[0].left_padding)
             mx.async_eval(self._padded)  # type: ignore[no-untyped-call]

@@ -11,9 +11,8 @@ and then empties the allocator's cache (`mx.clear_cache`). While rows decode, th
 the decode step queued just before it, so the host builds the next step's graph with the device
 idle. Here a chunk can instead be only queued (`mx.async_eval`), and the allocator keeps its
 buffers: the device runs the decode step and then the chunk while the host goes on. The engine
-queues chunks on every backend but CUDA (measured on the CPU; not yet on Metal); on CUDA,
-queued chunks with the cache kept prefilled 2.5x slower (H100, `benchmarks/prefill_phases.py
---sync`, while cuDNN's attention was still on). With nothing decoding there is no pipeline to
+queues chunks by default (`[worker] prefill_chunks`; measured on the CPU and on H200s, not yet
+on Metal). With nothing decoding there is no pipeline to
 keep, and chunks block and clear as mlx-lm's do, which bounds a long prompt's memory.
 """
 
@@ -26,7 +25,9 @@ import mlx.core as mx
 import structlog
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
+from workers.batching.hostpad import host_padded, merged_padding
 from workers.batching.mlxlm import missing_prefill_fields
+from workers.cuda import on_cuda
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -41,15 +42,18 @@ class PipelinedPrefill(PromptProcessingBatch):
     that queues its chunks while `decoding` is set."""
 
     decoding: bool = False
+    keep_cache: bool = False
+    """Never empty MLX's buffer cache, even with nothing decoding (set on CUDA: see below)."""
 
     def prompt(self, tokens: list[list[int]]) -> None:
         if len(self.uids) != len(tokens):
             raise ValueError("The batch length doesn't match the number of inputs")
         if not tokens:
             return
-        if not self.decoding:
+        if not self.decoding and not self.keep_cache:
             super().prompt(tokens)
             return
+        run = mx.async_eval if self.decoding else mx.eval
         # As mlx-lm's: self.tokens holds what the KV cache holds; shorter prompts right-padded.
         for held, more in zip(self.tokens, tokens, strict=True):
             held += more
@@ -68,12 +72,18 @@ class PipelinedPrefill(PromptProcessingBatch):
         while batch.shape[1] > 0:
             n = min(self.prefill_step_size, batch.shape[1])
             self.model(batch[:, :n], cache=self.prompt_cache)
-            mx.async_eval([c.state for c in self.prompt_cache])  # type: ignore[no-untyped-call]
+            run([c.state for c in self.prompt_cache])
             batch = batch[:, n:]
         if padded:
             for c in self.prompt_cache:
                 c.finalize()
-            mx.async_eval([c.state for c in self.prompt_cache])  # type: ignore[no-untyped-call]
+            run([c.state for c in self.prompt_cache])
+
+    def extend(self, batch: Any) -> None:
+        # A new batch's caches were just merged from its rows' caches, whose lengths are those
+        # of the tokens they hold (mlx-lm keeps `tokens` as what each row's cache holds).
+        host_padded(batch.prompt_cache, merged_padding([len(t) for t in batch.tokens]))
+        super().extend(batch)  # type: ignore[no-untyped-call]
 
     def generate(self, tokens: list[list[int]]) -> JoiningBatch:
         """As mlx-lm's, but the rows leave as a `JoiningBatch`, not yet stepped."""
@@ -117,6 +127,7 @@ class JoiningBatch(GenerationBatch):
         self._joining = True  # GenerationBatch.__init__ steps new rows at once: not here
         super().__init__(*args, **kwargs)
         self._joining = False
+        host_padded(self.prompt_cache)
         self._priming = [True] * len(self.uids)
         # Stand-ins for the log-probabilities the skipped step would have made: passed to the
         # next step's eval (which skips what is not an array), never read by a response. Not an
@@ -136,6 +147,7 @@ class JoiningBatch(GenerationBatch):
     def extend(self, batch: Any) -> None:
         alone = not self.uids
         super().extend(batch)  # type: ignore[no-untyped-call]
+        host_padded(self.prompt_cache)
         self._priming.extend(getattr(batch, "_priming", [False] * len(batch.uids)))
         if alone and any(self._priming):
             # No decoding rows to share the pass with: feed the last prompt tokens now, as
@@ -189,6 +201,11 @@ def install(gen: Any) -> PipelinedPrefill | None:
     batch: PipelinedPrefill = PipelinedPrefill.empty(
         gen.model, gen.sampler, prefill_step_size=gen.prefill_step_size
     )
+    # On CUDA (mlx 0.32.4, two H200s) a prefill that emptied the cache (mlx-lm's blocking
+    # chunks) followed by batch caches that never wait for the device made mlx-lm's next
+    # `mx.array(tokens)` fail ("cudaMemcpy ... invalid argument") in 2 of 3 runs; with the cache
+    # kept it never did. CUDA's allocator reuses its cache; nothing needs it emptied there.
+    batch.keep_cache = on_cuda()
     gen._prompt_batch = batch
     gen._generation_batch = JoiningBatch.empty(gen.model, gen.sampler)
     return batch

@@ -1,0 +1,128 @@
+"""Batch caches that drop rows without waiting for the device.
+
+mlx-lm's `BatchKVCache.filter` (a row leaves the batch) and `extract` (a finished row's cache)
+read the rows' left padding with `tolist()`. The padding they read is a lazy array made by the
+same call, so the read is queued on the generator's stream behind the decode step in flight and
+waits for all of it: the host cannot build the next step while the device runs this one. In a
+continuous batch a row leaves on most steps, so most steps lost MLX's pipelining.
+
+`HostPaddedKVCache` keeps each row's padding on the host, beside the array it describes, and
+updates it in every call that changes the padding (`prepare`, `finalize`, `extend`, `filter`);
+a new batch's padding comes from its rows' cached lengths, as `BatchKVCache.merge` computes it.
+So it never reads the padding back from the device (where that is unavoidable, an array it did
+not make, it reads a fresh copy). What the cache holds is what mlx-lm's would: the same rows,
+the same shared padding trimmed.
+
+Reading it back is also unsafe: on CUDA (mlx 0.32.4, two H200s), `tolist()` of an array that was
+evaluated before an `mx.clear_cache()` (mlx-lm clears after every blocking prefill chunk) made
+a later `mx.array(...)` fail with "cudaMemcpy ... invalid argument" in 1-3 of 4 runs; reading
+only arrays made after the clear, as mlx-lm's own filter does, never failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+ENABLED = True
+"""Benchmarks turn it off to measure mlx-lm's own reads side by side."""
+
+
+class HostPaddedKVCache(BatchKVCache):
+    """mlx-lm's batch KV cache with its rows' left padding also kept on the host."""
+
+    _host: tuple[mx.array, list[int]] | None = None
+    _right: list[int] | None = None
+
+    def padding(self) -> list[int]:
+        """Each row's left padding, as kept on the host."""
+        memo = self._host
+        if memo is not None and memo[0] is self.left_padding:
+            return memo[1]
+        # An array this class did not make (someone set it): a fresh copy is safe to read.
+        values: list[int] = mx.add(self.left_padding, 0).tolist()  # type: ignore[assignment]
+        self._host = (self.left_padding, values)
+        return values
+
+    def prepare(self, *, left_padding: Any = None, lengths: Any = None, right_padding: Any = None) -> None:
+        host = self.padding()
+        super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)  # type: ignore[no-untyped-call]
+        if left_padding is not None:
+            host = [h + int(p) for h, p in zip(host, left_padding, strict=True)]
+        self._host = (self.left_padding, host)
+        self._right = [int(p) for p in right_padding] if self._right_padding is not None else None
+
+    def finalize(self) -> None:
+        host, right = self.padding(), self._right
+        super().finalize()  # type: ignore[no-untyped-call]
+        if right is not None:  # the right padding became left padding
+            self._host = (self.left_padding, [h + r for h, r in zip(host, right, strict=True)])
+            self._right = None
+
+    def extend(self, other: Any) -> None:
+        mine = self.padding()
+        theirs = other.padding() if isinstance(other, HostPaddedKVCache) else None
+        if self.keys is None and other.keys is None:
+            shift_mine = shift_theirs = 0
+        else:  # as BatchKVCache.extend: both right-justified to the longer one
+            top = max(self._idx, other._idx)
+            shift_mine, shift_theirs = top - self._idx, top - other._idx
+        super().extend(other)  # type: ignore[no-untyped-call]
+        if theirs is not None:
+            joined = [p + shift_mine for p in mine] + [p + shift_theirs for p in theirs]
+            self._host = (self.left_padding, joined)
+
+    def _set_padding(self, values: list[int]) -> None:
+        self.left_padding = mx.array(values, dtype=mx.int32)
+        self._host = (self.left_padding, values)
+
+    def filter(self, batch_indices: Any) -> None:
+        if not isinstance(batch_indices, Sequence):
+            super().filter(batch_indices)  # type: ignore[no-untyped-call]  # an index array: mlx-lm's own (it reads the device)
+            return
+        keep = list(batch_indices)
+        padding = self.padding()
+        kept = [padding[i] for i in keep]
+        shift = min(kept, default=0)  # the padding every row shares goes
+        if self.keys is not None:
+            self.keys = self.keys[keep]
+            self.values = self.values[keep]
+            if shift > 0:
+                self.keys = self.keys[..., shift:, :]
+                self.values = self.values[..., shift:, :]
+        self.offset = self.offset[keep]
+        self._idx -= shift
+        self._set_padding([p - shift for p in kept])
+
+    def extract(self, idx: int) -> KVCache:
+        cache = KVCache()  # type: ignore[no-untyped-call]
+        start = self.padding()[idx]
+        keys: Any = self.keys
+        values: Any = self.values
+        cache.keys = mx.contiguous(keys[idx : idx + 1, :, start : self._idx])
+        cache.values = mx.contiguous(values[idx : idx + 1, :, start : self._idx])
+        cache.offset = cache.keys.shape[2]
+        return cache
+
+
+def host_padded(caches: list[Any], padding: list[int] | None = None) -> list[Any]:
+    """`caches`, each plain `BatchKVCache` of them now a `HostPaddedKVCache` (in place: the
+    same objects, whose class changes; other kinds are left as they are). `padding`: what their
+    rows' padding is, when the caller knows (else it is read once, from a fresh copy)."""
+    if not ENABLED:
+        return caches
+    for c in caches:
+        if type(c) is BatchKVCache:
+            c.__class__ = HostPaddedKVCache
+            if padding is not None:
+                c._host = (c.left_padding, list(padding))  # type: ignore[attr-defined]
+    return caches
+
+
+def merged_padding(cached: list[int]) -> list[int]:
+    """The padding `BatchKVCache.merge` gives rows whose caches hold `cached` tokens each."""
+    top = max(cached, default=0)
+    return [top - n for n in cached]

@@ -1,0 +1,166 @@
+"""Batch caches that drop rows without reading the device: the same cache as mlx-lm's after every
+filter, extract and join, with the rows' padding known on the host; and the engine's decoding rows
+use them."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import BatchKVCache
+
+from workers.batching.engine import MLXEngine
+from workers.batching.hostpad import HostPaddedKVCache, host_padded
+from workers.batching.mlxlm import generation_batch
+from workers.loading.models import load_model
+from workers.messages import Admit, SamplingSpec
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+
+def filled(padding: list[int], steps: int, seed: int) -> Any:
+    """A batch cache with `padding` and `steps` written positions (keys and values random)."""
+    cache: Any = BatchKVCache(padding)
+    rng = mx.random.key(seed)
+    for _ in range(steps):
+        rng, k = mx.random.split(rng)
+        kv = mx.random.normal((len(padding), 2, 1, 4), key=k)
+        cache.update_and_fetch(kv, kv * 2)
+    return cache
+
+
+def twin(padding: list[int], steps: int, seed: int) -> tuple[Any, Any]:
+    """mlx-lm's cache and ours, in the same state."""
+    ours = filled(padding, steps, seed)
+    host_padded([ours])
+    return filled(padding, steps, seed), ours
+
+
+def same(theirs: Any, ours: Any) -> None:
+    assert type(ours) is HostPaddedKVCache
+    assert ours.left_padding.tolist() == theirs.left_padding.tolist()
+    assert ours.offset.tolist() == theirs.offset.tolist()
+    assert ours._idx == theirs._idx
+    assert ours.keys.shape == theirs.keys.shape
+    k1, v1 = theirs.keys_and_values()
+    k2, v2 = ours.keys_and_values()
+    assert mx.array_equal(k1, k2).item() and mx.array_equal(v1, v2).item()
+
+
+@pytest.mark.parametrize("keep", [[0, 2], [1], [3, 1], [0, 1, 2, 3], [2]])
+def test_filter_leaves_what_mlx_lms_filter_leaves(keep: list[int]) -> None:
+    theirs, ours = twin([3, 0, 5, 2], steps=9, seed=len(keep))
+    theirs.filter(keep)
+    ours.filter(keep)
+    same(theirs, ours)
+    # the shared padding is trimmed, as mlx-lm's filter does (mask-free decode relies on it)
+    assert min(ours.padding()) == 0
+
+
+def test_extract_joins_and_filters_in_a_row_match_mlx_lm() -> None:
+    rng = random.Random(7)
+    theirs, ours = twin([2, 0, 4], steps=6, seed=1)
+    for step in range(12):
+        kv = mx.random.normal((len(ours.padding()), 2, 1, 4), key=mx.random.key(100 + step))
+        theirs.update_and_fetch(kv, kv)
+        ours.update_and_fetch(kv, kv)
+        if step % 3 == 0:  # a prefilled batch joins
+            pad = [rng.randrange(0, 4) for _ in range(2)]
+            a, b = twin(pad, steps=rng.randrange(2, 9), seed=step)
+            theirs.extend(a)
+            ours.extend(b)
+        n = len(ours.padding())
+        for i in range(n):
+            t, o = theirs.extract(i), ours.extract(i)
+            assert mx.array_equal(t.keys, o.keys).item() and t.offset == o.offset
+        if n > 1:
+            keep = sorted(rng.sample(range(n), n - 1))
+            theirs.filter(keep)
+            ours.filter(keep)
+        same(theirs, ours)
+
+
+def test_after_a_filter_the_padding_is_known_without_reading_the_device() -> None:
+    _, ours = twin([1, 0, 3], steps=4, seed=3)
+    ours.filter([0, 2])
+    # the new padding array was made from host values: padding() has nothing to read
+    assert ours._host is not None and ours._host[0] is ours.left_padding
+    assert ours.padding() == [0, 2]
+
+
+@pytest.mark.integration
+def test_the_engines_decoding_rows_use_host_padded_caches(model_cache: Path) -> None:
+    model, _ = load_model("synthetic:tiny", model_cache)
+    e = MLXEngine(model, vocab_size=256, max_batch=4, prefill_batch=2, prefill_step=64, step_token_budget=0)
+    rng = random.Random(0)
+    e.insert([Admit(rid=i, prompt=[rng.randrange(3, 200) for _ in range(5 + 9 * i)], max_tokens=3 + 4 * i,
+                    sampling=SamplingSpec(), stop_token_ids=()) for i in range(4)])
+    kinds: set[type] = set()
+    finished: list[int] = []
+    while e.has_work():
+        r = e.step()
+        finished += r.finished
+        kinds |= {type(c) for c in generation_batch(e._gen).prompt_cache}
+    e.close()
+    assert kinds == {HostPaddedKVCache}
+    assert sorted(finished) == [0, 1, 2, 3]
+
+
+def held_padding_matches(e: MLXEngine) -> int:
+    """Assert every host-padded cache of the engine's batches knows its rows' padding; how many."""
+    seen = 0
+    batches = (generation_batch(e._gen), e._gen._prompt_batch)
+    for c in (c for b in batches for c in b.prompt_cache):
+        if isinstance(c, HostPaddedKVCache):
+            assert c._host is not None and c._host[0] is c.left_padding  # known, never read back
+            assert c.padding() == c.left_padding.tolist()
+            seen += 1
+    return seen
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("budget", "queued"), [(0, False), (0, True), (24, True), (24, False)])
+def test_the_host_knows_the_padding_through_prefix_hits_sessions_and_chunks(
+    model_cache: Path, budget: int, queued: bool
+) -> None:
+    model, _ = load_model("synthetic:tiny", model_cache)
+    e = MLXEngine(model, vocab_size=256, max_batch=6, prefill_batch=3, prefill_step=32,
+                  step_token_budget=budget, block_tokens=16, queue_chunks=queued)
+    rng = random.Random(budget + queued)
+    shared = [rng.randrange(3, 200) for _ in range(40)]
+
+    def admit(rid: int, prompt: list[int], **kw: Any) -> Admit:
+        return Admit(rid=rid, prompt=prompt, max_tokens=rng.randint(2, 12), sampling=SamplingSpec(),
+                     stop_token_ids=(), **kw)
+
+    e.insert([admit(0, shared + [5, 6], store=[1, 2], session="s")])
+    e.insert([admit(i, [rng.randrange(3, 200) for _ in range(rng.randint(3, 70))]) for i in range(1, 4)])
+    stored: set[int] = set()
+    later = iter(range(4, 40))
+    checked = steps = hits = 0
+    resumed = zero_done = False
+    while e.has_work() or steps < 30:
+        r = e.step()
+        steps += 1
+        stored |= {k for k, _ in r.stored}
+        zero_done = zero_done or 0 in r.finished
+        rid = next(later, None)
+        if rid is not None and steps % 2:
+            if zero_done and not resumed:  # the session's next turn
+                resumed = True
+                e.insert([admit(rid, shared + [5, 6, 7, 8], session="s", resume=True)])
+            elif {1, 2} <= stored and rid % 3 == 0:  # a prefix hit: the first 32 tokens are cached
+                hits += 1
+                e.insert([admit(rid, shared[:32] + [rng.randrange(3, 200) for _ in range(rng.randint(1, 30))],
+                                prefix=[1, 2])])
+            else:
+                e.insert([admit(rid, [rng.randrange(3, 200) for _ in range(rng.randint(3, 70))])])
+        checked += held_padding_matches(e)
+        if steps > 400:
+            break
+    e.close()
+    assert not e.has_work() and checked > 0
+    assert hits > 0 and resumed and e._fallbacks == 0  # the session's KV was used, not refilled
