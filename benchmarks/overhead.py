@@ -1,7 +1,10 @@
 """Overhead of the actor stack: tokens/s through `Scheduler` / tokens/s of a bare BatchGenerator loop.
 
 Same model, same prompts, same concurrency (closed loop: N requests always in flight), measured
-side by side in one run (the best of `--repeat` interleaved runs a side); then, in a run of its own, the
+side by side in one run. A third loop drives our engine (`MLXEngine`, what the worker steps)
+without the actors: the scheduler over it is the actor stack's own cost, and it over the bare
+loop is what the engine changes in mlx-lm's step (joins without a pass of their own, rows that
+leave without waiting for the device, queued prefill chunks, mask-free decode). All (the best of `--repeat` interleaved runs a side); then, in a run of its own, the
 p99 lag of a 1 ms ticker on the event loop and our tokens/s while it ticks.
 
     python benchmarks/overhead.py [--model synthetic:small] [--concurrency 1 8 32 64]
@@ -16,6 +19,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -58,6 +62,36 @@ def bare_loop(model: object, prompts: list[list[int]], concurrency: int, max_tok
     gen.close()
     if steps is not None:
         steps.append(n_steps)
+    return tokens, elapsed
+
+
+def engine_loop(model: object, vocab: int, prompts: list[list[int]], concurrency: int, max_tokens: int,
+                prefill_batch: int, prefill_step: int, budget: int | str) -> tuple[int, float]:
+    """A tight loop over our engine keeping `concurrency` sequences in flight (no actors)."""
+    from workers.batching.engine import MLXEngine
+    from workers.messages import Admit, SamplingSpec
+
+    engine = MLXEngine(model, vocab_size=vocab, max_batch=concurrency, prefill_batch=prefill_batch,
+                       prefill_step=prefill_step, step_token_budget=budget)
+    todo = list(prompts)
+    made = 0
+
+    def admits(k: int) -> list[Admit]:
+        nonlocal made
+        out = [Admit(made + i, todo.pop(), max_tokens, SamplingSpec(), ()) for i in range(min(k, len(todo)))]
+        made += len(out)
+        return out
+
+    tokens = 0
+    start = time.perf_counter()
+    engine.insert(admits(concurrency))
+    while engine.has_work():
+        result = engine.step()
+        tokens += len(result.tokens)
+        if result.finished:
+            engine.insert(admits(len(result.finished)))
+    elapsed = time.perf_counter() - start
+    engine.close()
     return tokens, elapsed
 
 
@@ -156,16 +190,24 @@ def main() -> None:
         )
         w = config.worker
         warm = make_prompts(max(n, 8), args.prompt_tokens, info.vocab_size, args.seed + n + 10**6)
+
+        def engine(p: list[list[int]], n: int = n, w: Any = w) -> tuple[int, float]:
+            return engine_loop(model, info.vocab_size, p, n, args.max_tokens, w.prefill_batch,
+                               w.prefill_step, w.step_token_budget)
+
         for _ in range(args.warmup):
             bare_loop(model, warm, n, args.max_tokens, w.prefill_batch, w.prefill_step)
+            engine(warm)
             anyio.run(scheduler_run, config, warm, n, args.max_tokens, True, None, args.stream)
-        bare_runs, ours_runs, lags = [], [], []
-        for _ in range(args.repeat):  # interleaved, best of each: drift and warm-up hit both sides
+        bare_runs, engine_runs, ours_runs, lags = [], [], [], []
+        for _ in range(args.repeat):  # interleaved, best of each: drift and warm-up hit every side
             bare_tokens, bare_s = bare_loop(model, prompts, n, args.max_tokens, w.prefill_batch, w.prefill_step)
+            engine_tokens, engine_s = engine(prompts)
             ours_tokens, ours_s, _ = anyio.run(scheduler_run, config, prompts, n, args.max_tokens,
                                                False, None, args.stream)
-            assert bare_tokens == ours_tokens == len(prompts) * args.max_tokens
+            assert bare_tokens == engine_tokens == ours_tokens == len(prompts) * args.max_tokens
             bare_runs.append(bare_tokens / bare_s)
+            engine_runs.append(engine_tokens / engine_s)
             ours_runs.append(ours_tokens / ours_s)
         # The lag ticker wakes the event loop every millisecond, and each wake-up needs the GIL
         # that the worker's graph building holds: it costs our side alone (about a tenth of the
@@ -179,7 +221,10 @@ def main() -> None:
             "bare_tok_s": max(bare_runs),
             "sched_tok_s": max(ours_runs),
             "ratio": max(ours_runs) / max(bare_runs),
+            "engine_tok_s": max(engine_runs),
+            "sched_over_engine": max(ours_runs) / max(engine_runs),
             "bare_runs": bare_runs,
+            "engine_runs": engine_runs,
             "sched_runs": ours_runs,
             "sched_tok_s_with_ticker": ticked_tokens / ticked_s,
             "loop_lag_p50_ms": percentile(lags, 50) * 1e3,
@@ -198,16 +243,18 @@ def main() -> None:
             }
             print(f"  c={n:<4d} attribution: {row['attribution']}", flush=True)
         rows.append(row)
-        print(f"  c={n:<4d} bare {row['bare_tok_s']:8.1f} tok/s  sched {row['sched_tok_s']:8.1f} tok/s  "
-              f"ratio {row['ratio']:.3f}  loop lag p99 {row['loop_lag_p99_ms']:.2f} ms (a run of its own)",
+        print(f"  c={n:<4d} bare {row['bare_tok_s']:8.1f} tok/s  engine {row['engine_tok_s']:8.1f}  "
+              f"sched {row['sched_tok_s']:8.1f}  ratio {row['ratio']:.3f}  sched/engine "
+              f"{row['sched_over_engine']:.3f}  loop lag p99 {row['loop_lag_p99_ms']:.2f} ms (a run of its own)",
               flush=True)
 
     print()
-    print(f"{'concurrency':>11} {'bare tok/s':>11} {'sched tok/s':>12} {'ratio':>7} {'lag p50 ms':>11} "
-          f"{'lag p99 ms':>11} {'tok/s, ticker on':>17}")
+    print(f"{'concurrency':>11} {'bare tok/s':>11} {'engine tok/s':>13} {'sched tok/s':>12} {'ratio':>7} "
+          f"{'sched/engine':>13} {'lag p50 ms':>11} {'lag p99 ms':>11} {'tok/s, ticker on':>17}")
     for r in rows:
-        print(f"{r['concurrency']:>11} {r['bare_tok_s']:>11.1f} {r['sched_tok_s']:>12.1f} {r['ratio']:>7.3f} "
-              f"{r['loop_lag_p50_ms']:>11.2f} {r['loop_lag_p99_ms']:>11.2f} {r['sched_tok_s_with_ticker']:>17.1f}")
+        print(f"{r['concurrency']:>11} {r['bare_tok_s']:>11.1f} {r['engine_tok_s']:>13.1f} {r['sched_tok_s']:>12.1f} "
+              f"{r['ratio']:>7.3f} {r['sched_over_engine']:>13.3f} {r['loop_lag_p50_ms']:>11.2f} "
+              f"{r['loop_lag_p99_ms']:>11.2f} {r['sched_tok_s_with_ticker']:>17.1f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {

@@ -139,3 +139,26 @@ def test_the_default_budget_bounds_every_step_that_others_decode_in(tiny: Any) -
     assert max(busy) <= AUTO_MIN_CAP  # the cap for 6 slots
     assert sum(1 for n in busy if n > 0) > 10  # prefill did go on beside decoding
     assert all(len(out[a.rid]) == a.max_tokens for a in admits)
+
+
+@pytest.mark.parametrize(("value", "queued"), [("auto", True), ("queued", True), ("blocking", False)])
+def test_the_prefill_chunks_setting_reaches_the_engine(model_cache: Path, value: str, queued: bool) -> None:
+    from scheduler import SchedulerConfig
+    from scheduler.assembly import real_engine_factory
+
+    cfg = SchedulerConfig.from_toml(
+        f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"\n[worker]\nprefill_chunks = "{value}"'
+    )
+    built, _ = real_engine_factory(cfg)()
+    try:
+        assert built._queue_chunks is queued
+    finally:
+        built.close()
+
+
+def test_a_bad_prefill_chunks_setting_is_named() -> None:
+    from scheduler import SchedulerConfig
+    from scheduler.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"worker\.prefill_chunks.*'sometimes'"):
+        SchedulerConfig.from_toml('[worker]\nprefill_chunks = "sometimes"')
