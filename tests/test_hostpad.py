@@ -140,6 +140,7 @@ def test_the_host_knows_the_padding_through_prefix_hits_sessions_and_chunks(
     e.insert([admit(i, [rng.randrange(3, 200) for _ in range(rng.randint(3, 70))]) for i in range(1, 4)])
     stored: set[int] = set()
     later = iter(range(4, 40))
+    reads = HostPaddedKVCache.reads
     checked = steps = hits = 0
     resumed = zero_done = False
     while e.has_work() or steps < 30:
@@ -158,7 +159,9 @@ def test_the_host_knows_the_padding_through_prefix_hits_sessions_and_chunks(
                                 prefix=[1, 2])])
             else:
                 e.insert([admit(rid, [rng.randrange(3, 200) for _ in range(rng.randint(3, 70))])])
+        assert HostPaddedKVCache.reads == reads  # nothing read back before the check below
         checked += held_padding_matches(e)
+        reads = HostPaddedKVCache.reads
         if steps > 400:
             break
     e.close()

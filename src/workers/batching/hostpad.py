@@ -36,6 +36,8 @@ class HostPaddedKVCache(BatchKVCache):
 
     _host: tuple[mx.array, list[int]] | None = None
     _right: list[int] | None = None
+    reads = 0
+    """How often any such cache had to read its padding back (tests hold it at 0)."""
 
     def padding(self) -> list[int]:
         """Each row's left padding, as kept on the host."""
@@ -43,6 +45,7 @@ class HostPaddedKVCache(BatchKVCache):
         if memo is not None and memo[0] is self.left_padding:
             return memo[1]
         # An array this class did not make (someone set it): a fresh copy is safe to read.
+        HostPaddedKVCache.reads += 1
         values: list[int] = mx.add(self.left_padding, 0).tolist()  # type: ignore[assignment]
         self._host = (self.left_padding, values)
         return values
