@@ -85,8 +85,8 @@ class MLXEngine:
         # mlx-lm is only partly typed; the generator is used through its documented methods.
         self._gen: Any = BatchGenerator(model, **self._batching)
         self._pipelined = pipelined_prefill
-        # Queued chunks keep MLX's decode pipeline; measured on two H200s (docs/stalls.md) they
-        # gave 1.15-1.24x the tokens/s of blocking ones at budget 0, with lower ITL p99. (They
+        # Queued chunks keep MLX's decode pipeline; measured on an H200 (docs/stalls.md) they
+        # gave 0.94-1.02x the tokens/s of blocking ones at budget 0 and a lower ITL p99. (They
         # had been 2.5x slower on an H100 while cuDNN's attention built a graph per chunk shape.)
         self._queue_chunks = True if queue_chunks is None else queue_chunks
         self._prefill: PipelinedPrefill | None = None

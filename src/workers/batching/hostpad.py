@@ -9,14 +9,8 @@ continuous batch a row leaves on most steps, so most steps lost MLX's pipelining
 `HostPaddedKVCache` keeps each row's padding on the host, beside the array it describes, and
 updates it in every call that changes the padding (`prepare`, `finalize`, `extend`, `filter`);
 a new batch's padding comes from its rows' cached lengths, as `BatchKVCache.merge` computes it.
-So it never reads the padding back from the device (where that is unavoidable, an array it did
-not make, it reads a fresh copy). What the cache holds is what mlx-lm's would: the same rows,
-the same shared padding trimmed.
-
-Reading it back is also unsafe: on CUDA (mlx 0.32.4, two H200s), `tolist()` of an array that was
-evaluated before an `mx.clear_cache()` (mlx-lm clears after every blocking prefill chunk) made
-a later `mx.array(...)` fail with "cudaMemcpy ... invalid argument" in 1-3 of 4 runs; reading
-only arrays made after the clear, as mlx-lm's own filter does, never failed.
+So it never reads the padding back from the device. What the cache holds is what mlx-lm's would:
+the same rows, the same shared padding trimmed.
 """
 
 from __future__ import annotations
@@ -44,9 +38,9 @@ class HostPaddedKVCache(BatchKVCache):
         memo = self._host
         if memo is not None and memo[0] is self.left_padding:
             return memo[1]
-        # An array this class did not make (someone set it): a fresh copy is safe to read.
+        # An array this class did not make (someone set it): read it, once.
         HostPaddedKVCache.reads += 1
-        values: list[int] = mx.add(self.left_padding, 0).tolist()  # type: ignore[assignment]
+        values: list[int] = self.left_padding.tolist()  # type: ignore[assignment]
         self._host = (self.left_padding, values)
         return values
 
@@ -114,7 +108,7 @@ class HostPaddedKVCache(BatchKVCache):
 def host_padded(caches: list[Any], padding: list[int] | None = None) -> list[Any]:
     """`caches`, each plain `BatchKVCache` of them now a `HostPaddedKVCache` (in place: the
     same objects, whose class changes; other kinds are left as they are). `padding`: what their
-    rows' padding is, when the caller knows (else it is read once, from a fresh copy)."""
+    rows' padding is, when the caller knows (else it is read once, when first needed)."""
     if not ENABLED:
         return caches
     for c in caches:

@@ -13,7 +13,8 @@ idle. Here a chunk can instead be only queued (`mx.async_eval`), and the allocat
 buffers: the device runs the decode step and then the chunk while the host goes on. The engine
 queues chunks by default (`[worker] prefill_chunks`; measured on the CPU and on H200s, not yet
 on Metal). With nothing decoding there is no pipeline to
-keep, and chunks block and clear as mlx-lm's do, which bounds a long prompt's memory.
+keep, and chunks block and clear as mlx-lm's do, which bounds a long prompt's memory (on CUDA
+they block and keep the cache: see `install`).
 """
 
 from __future__ import annotations
