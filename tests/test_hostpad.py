@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache
 
+from workers.batching import hostpad
 from workers.batching.engine import MLXEngine
 from workers.batching.hostpad import HostPaddedKVCache, host_padded
 from workers.batching.mlxlm import generation_batch
@@ -167,3 +168,49 @@ def test_the_host_knows_the_padding_through_prefix_hits_sessions_and_chunks(
     e.close()
     assert not e.has_work() and checked > 0
     assert hits > 0 and resumed and e._fallbacks == 0  # the session's KV was used, not refilled
+
+
+@pytest.fixture
+def recheck(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Forget the once-per-process check, before and after the test."""
+    monkeypatch.setattr(hostpad, "_problem", None)
+    yield
+    hostpad._problem = None
+
+
+def test_the_check_names_a_batch_cache_that_changed(recheck: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert hostpad.unavailable() == ""
+    original = BatchKVCache.filter
+
+    def filter_without_trim(self: Any, batch_indices: Any) -> None:  # as if mlx-lm stopped trimming
+        pad = self.left_padding
+        original(self, batch_indices)
+        self.left_padding = pad[batch_indices]
+
+    monkeypatch.setattr(BatchKVCache, "filter", filter_without_trim)
+    hostpad._problem = None
+    assert "BatchKVCache.filter" in hostpad.unavailable()
+    plain: Any = BatchKVCache([0, 1])
+    assert type(host_padded([plain])[0]) is BatchKVCache  # rows then leave as mlx-lm's do
+
+
+@pytest.mark.anyio
+@pytest.mark.integration
+async def test_a_changed_batch_cache_is_said_once_in_the_log_and_in_stats(
+    recheck: Any, monkeypatch: pytest.MonkeyPatch, model_cache: Path
+) -> None:
+    import anyio
+    from structlog.testing import capture_logs
+
+    from scheduler import SamplingParams, Scheduler, SchedulerConfig
+
+    monkeypatch.setattr(hostpad, "_mismatch", lambda: "BatchKVCache.filter moved the rows' padding")
+    cfg = SchedulerConfig.from_toml(f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"')
+    with anyio.fail_after(60), capture_logs() as logs:
+        async with Scheduler(cfg) as s:
+            done = await s.complete([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+            stats = s.stats()
+    assert len(done.token_ids) == 4  # served all the same
+    assert stats.host_padding is False
+    said = [e for e in logs if e["event"] == "host_padding_unavailable"]
+    assert len(said) == 1 and "filter" in said[0]["reason"]

@@ -54,6 +54,9 @@ def log_model_facts(loaded: Loaded) -> None:
     if loaded.mask_free_unavailable:
         log.warning("mask_free_decode_unavailable", model=info.name,
                     reason=loaded.mask_free_unavailable)
+    if loaded.host_padding_unavailable:
+        log.warning("host_padding_unavailable", model=info.name, reason=loaded.host_padding_unavailable,
+                    note="rows that leave the batch wait for the device, as in mlx-lm's loop")
     if loaded.grammar_unavailable:
         log.warning("structured_output_unavailable", model=info.name, reason=loaded.grammar_unavailable)
     if not loaded.sessions:
@@ -80,6 +83,7 @@ def build_stats(a: Admission, p: Pool, loaded: Loaded | None) -> SchedulerStats:
         session_fallbacks=c.session_fallbacks,
         prefix_cache_available=loaded is None or not loaded.prefix_unavailable,
         mask_free_decode=loaded is None or not loaded.mask_free_unavailable,
+        host_padding=loaded is None or not loaded.host_padding_unavailable,
         structured_output=loaded is None or not loaded.grammar_unavailable,
         blas=loaded.blas.library if loaded else "",
         blas_note=loaded.blas.reason if loaded else "",

@@ -113,6 +113,9 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     mask_free_decode: bool = True
     """False when no decode step can skip mlx-lm's attention mask (sliding-window or recurrent
     layers, or an mlx-lm whose internals changed; the log says which)."""
+    host_padding: bool = True
+    """False when rows that leave the batch wait for the device, as in mlx-lm's own loop (an
+    mlx-lm whose batch cache changed; the log says what differs)."""
     structured_output: bool = True
     """False when the grammar engine cannot read this model's tokenizer (`json_schema` and
     `grammar` are then refused; the log says why)."""

@@ -12,6 +12,7 @@ from mlx_lm.models.cache import KVCache
 
 from workers.batching.engine import MLXEngine
 from workers.batching.grammar import grammar_tokenizer
+from workers.batching.hostpad import unavailable as host_padding_unavailable
 from workers.batching.mlxlm import hf_tokenizer, keep_leading_space
 from workers.batching.quantfold import fold_decode_batch
 from workers.blas import BlasState, blas_state
@@ -60,6 +61,8 @@ class Loaded(msgspec.Struct, frozen=True):
     """Why prefix blocks cannot work with this model's caches ("" when they can)."""
     mask_free_unavailable: str = ""
     """Why decode steps cannot skip mlx-lm's attention mask ("" when they can)."""
+    host_padding_unavailable: str = ""
+    """Why rows leaving the batch wait for the device, as in mlx-lm ("" when they do not)."""
     precision: Precision = Precision(dtype="")
     """The compute dtype the weights were given on this device, and any dequantization."""
     blas: BlasState = BlasState("")
@@ -114,6 +117,7 @@ def mlx_engine_factory(
             kv_reuse=engine.reuses_kv, sessions=engine.support.sessions,
             prefix_unavailable=engine.support.reason,
             mask_free_unavailable=engine.mask_free_unavailable,
+            host_padding_unavailable=host_padding_unavailable(),
             precision=loaded_model.precision, blas=blas_state(),
             grammar_unavailable=grammar_unavailable,
         )

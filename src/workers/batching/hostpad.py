@@ -10,7 +10,9 @@ continuous batch a row leaves on most steps, so most steps lost MLX's pipelining
 updates it in every call that changes the padding (`prepare`, `finalize`, `extend`, `filter`);
 a new batch's padding comes from its rows' cached lengths, as `BatchKVCache.merge` computes it.
 So it never reads the padding back from the device. What the cache holds is what mlx-lm's would:
-the same rows, the same shared padding trimmed.
+the same rows, the same shared padding trimmed. `unavailable()` checks that once per process
+against the installed mlx-lm, on tiny caches; if its batch cache moves the padding otherwise,
+nothing is swapped and the scheduler says so (log and `stats().host_padding`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 ENABLED = True
 """Benchmarks turn it off to measure mlx-lm's own reads side by side."""
+_problem: str | None = None
 
 
 class HostPaddedKVCache(BatchKVCache):
@@ -108,9 +111,14 @@ class HostPaddedKVCache(BatchKVCache):
 def host_padded(caches: list[Any], padding: list[int] | None = None) -> list[Any]:
     """`caches`, each plain `BatchKVCache` of them now a `HostPaddedKVCache` (in place: the
     same objects, whose class changes; other kinds are left as they are). `padding`: what their
-    rows' padding is, when the caller knows (else it is read once, when first needed)."""
-    if not ENABLED:
+    rows' padding is, when the caller knows (else it is read once, when first needed). Nothing
+    changes when this mlx-lm's cache does not behave as mirrored (`unavailable`)."""
+    if not ENABLED or unavailable():
         return caches
+    return _swap(caches, padding)
+
+
+def _swap(caches: list[Any], padding: list[int] | None) -> list[Any]:
     for c in caches:
         if type(c) is BatchKVCache:
             c.__class__ = HostPaddedKVCache
@@ -123,3 +131,52 @@ def merged_padding(cached: list[int]) -> list[int]:
     """The padding `BatchKVCache.merge` gives rows whose caches hold `cached` tokens each."""
     top = max(cached, default=0)
     return [top - n for n in cached]
+
+
+def unavailable() -> str:
+    """"" when this mlx-lm's `BatchKVCache` still does what `HostPaddedKVCache` mirrors, else what
+    differs (then rows leave as mlx-lm's do). Checked once per process, on a few tiny caches."""
+    global _problem
+    if _problem is None:
+        try:
+            _problem = _mismatch() or ""
+        except Exception as exc:  # a changed signature or attribute
+            _problem = f"{type(exc).__name__}: {exc}"
+    return _problem
+
+
+def _mismatch() -> str | None:
+    def twin(padding: list[int], steps: int) -> tuple[Any, Any]:
+        pair: list[Any] = [BatchKVCache(padding), BatchKVCache(padding)]
+        for _ in range(steps):
+            kv = mx.ones((len(padding), 1, 1, 2))
+            for c in pair:
+                c.update_and_fetch(kv, kv)
+        _swap(pair[1:], padding)
+        return pair[0], pair[1]
+
+    def differs(what: str, theirs: Any, mine: Any) -> str | None:
+        known = mine._host if type(mine) is HostPaddedKVCache else None
+        if known is None or known[0] is not mine.left_padding:
+            return f"after BatchKVCache.{what}, the padding is no longer known on the host"
+        if mine.padding() != theirs.left_padding.tolist() or mine._idx != theirs._idx:
+            return f"BatchKVCache.{what} moved the rows' padding otherwise than mirrored"
+        return None
+
+    theirs, mine = twin([2, 0, 1], 3)
+    their_prompt, my_prompt = twin([0, 0], 0)
+    for c in (their_prompt, my_prompt):  # a chunk of two right-padded prompts, as mlx-lm's prompt
+        c.prepare(lengths=[2, 1], right_padding=[0, 1])
+        kv = mx.ones((2, 1, 2, 2))
+        c.update_and_fetch(kv, kv)
+        c.finalize()
+    problem = differs("prepare/finalize", their_prompt, my_prompt)
+    theirs.extend(their_prompt)
+    mine.extend(my_prompt)
+    problem = problem or differs("extend", theirs, mine)
+    theirs.filter([0, 3, 4])
+    mine.filter([0, 3, 4])
+    problem = problem or differs("filter", theirs, mine)
+    if not problem and mine.extract(1).keys.shape != theirs.extract(1).keys.shape:
+        problem = "BatchKVCache.extract takes a row from another place"
+    return problem
