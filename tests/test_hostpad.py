@@ -203,6 +203,7 @@ async def test_a_changed_batch_cache_is_said_once_in_the_log_and_in_stats(
     from structlog.testing import capture_logs
 
     from scheduler import SamplingParams, Scheduler, SchedulerConfig
+    from tests.test_metrics import parse, value
 
     monkeypatch.setattr(hostpad, "_mismatch", lambda: "BatchKVCache.filter moved the rows' padding")
     cfg = SchedulerConfig.from_toml(f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"')
@@ -210,7 +211,9 @@ async def test_a_changed_batch_cache_is_said_once_in_the_log_and_in_stats(
         async with Scheduler(cfg) as s:
             done = await s.complete([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
             stats = s.stats()
+            samples = parse(s.metrics_text())
     assert len(done.token_ids) == 4  # served all the same
     assert stats.host_padding is False
+    assert value(samples, "host_padding") == 0
     said = [e for e in logs if e["event"] == "host_padding_unavailable"]
     assert len(said) == 1 and "filter" in said[0]["reason"]

@@ -114,6 +114,9 @@ class GaugeSource(Protocol):
     def mask_free_decode(self) -> bool: ...
 
     @property
+    def host_padding(self) -> bool: ...
+
+    @property
     def blas(self) -> str: ...
 
 
@@ -257,6 +260,9 @@ class SchedulerMetrics:
              "they cannot (sliding-window or recurrent layers).", int(stats.prefix_cache_available)),
             ("mask_free_decode", "1 when decode steps without left padding skip the attention mask "
              "(fused attention), 0 when the model's caches need it.", int(stats.mask_free_decode)),
+            ("host_padding", "1 when rows that leave the batch do not wait for the device, 0 when "
+             "they do, as in mlx-lm's loop (see the host_padding_unavailable log line).",
+             int(stats.host_padding)),
             ("cpu_blas_openblas", "1 when MLX's CPU backend runs float32 matmuls on OpenBLAS, 0 on "
              "the mlx wheel's reference BLAS or Accelerate (see stats().blas_note).",
              int(stats.blas == "openblas")),
