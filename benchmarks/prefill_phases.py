@@ -3,7 +3,7 @@
 `--concurrency` rows decode while new prompts (`--prompt-min`..`--prompt-max` tokens, random)
 replace the ones that finish (`--max-tokens` greedy tokens each), for `--steps` engine steps after
 a warm-up. Each variant (a budget; `:mlx` for mlx-lm's own prefill and joining instead of ours,
-`:blocking` for ours with mlx-lm's blocking chunks, as on CUDA) runs side by side, `--repeat` times in rotating order. Clocks wrap mlx-lm's phases:
+`:blocking` for ours with mlx-lm's blocking chunks, `[worker] prefill_chunks = "blocking"`) runs side by side, `--repeat` times in rotating order. Clocks wrap mlx-lm's phases:
 
 - decode: `GenerationBatch.next` (the decode step, with its wait for the previous one);
 - prefill: `PromptProcessingBatch.prompt` (one chunk);
