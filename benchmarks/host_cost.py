@@ -44,7 +44,7 @@ from typing import Any
 import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import bare_loop, make_prompts, scheduler_run  # noqa: E402
+from overhead import bare_loop, engine_loop, make_prompts, scheduler_run  # noqa: E402
 
 WORKER = ["forward graph", "async_eval", "device wait", "sampling + rows", "engine", "post + commands",
           "GIL wait"]
@@ -189,33 +189,13 @@ def engine_counted(model: Any, prompts: list[list[int]], n: int, max_tokens: int
     """Our engine alone, stepped on this thread in the bare loop's closed loop: what the engine
     adds, apart from the threads and the event loop."""
     global CLOCKS
-    from workers.batching.engine import MLXEngine
-    from workers.messages import Admit, SamplingSpec
-
-    e = MLXEngine(model, vocab_size=vocab, max_batch=n, prefill_batch=w.prefill_batch,
-                  prefill_step=w.prefill_step, step_token_budget=0)
-    todo = list(enumerate(prompts))
-    greedy = SamplingSpec()
-
-    def admit() -> None:
-        rid, prompt = todo.pop()
-        e.insert([Admit(rid, prompt, max_tokens, greedy, ())])
-
     clocks = CLOCKS = Clocks()
-    tokens, start = 0, time.perf_counter()
     try:
-        for _ in range(min(n, len(todo))):
-            admit()
-        while e.has_work():
-            r = e.step()
-            tokens += len(r.tokens)
-            for _ in r.finished:
-                if todo:
-                    admit()
+        tokens, seconds = engine_loop(model, vocab, prompts, n, max_tokens, w.prefill_batch,
+                                      w.prefill_step, 0)
     finally:
         CLOCKS = None
-        e.close()
-    return tokens / (time.perf_counter() - start), clocks
+    return tokens / seconds, clocks
 
 
 def ours_counted(config: Any, prompts: list[list[int]], n: int, max_tokens: int, stream: bool) -> tuple[float, Clocks]:

@@ -106,7 +106,7 @@ def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
     engine = MLXEngine(
         model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,
         prefill_step=args.prefill_step, step_token_budget=budget, pipelined_prefill=flag != "mlx",
-        queue_chunks=False if flag == "blocking" else None,
+        queue_chunks=flag != "blocking",
     )
     rng = random.Random(args.seed)
     next_rid = 0

@@ -38,7 +38,7 @@ def workload(n: int, seed: int = 0) -> list[Admit]:
     return out
 
 
-def engine(model: Any, ours: bool, *, queue_chunks: bool | None = None, budget: int = 24) -> MLXEngine:
+def engine(model: Any, ours: bool, *, queue_chunks: bool = True, budget: int = 24) -> MLXEngine:
     return MLXEngine(model, vocab_size=256, max_batch=6, prefill_batch=4, prefill_step=64,
                      step_token_budget=budget, pipelined_prefill=ours, queue_chunks=queue_chunks)
 

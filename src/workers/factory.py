@@ -108,7 +108,7 @@ def mlx_engine_factory(
             prefill_batch=prefill_batch,
             prefill_step=prefill_step,
             step_token_budget=step_token_budget,
-            queue_chunks=None if prefill_chunks == "auto" else prefill_chunks == "queued",
+            queue_chunks=prefill_chunks != "blocking",  # "auto": queued on every backend
             block_tokens=block_tokens,
             grammar=grammar,
         )

@@ -54,7 +54,7 @@ class MLXEngine:
         mask_free: bool = True,
         grammar: GrammarTokenizer | None = None,
         pipelined_prefill: bool = True,
-        queue_chunks: bool | None = None,
+        queue_chunks: bool = True,
     ) -> None:
         self._grammar = None if grammar is None else GrammarRows(grammar, self._decoding_inputs)
         # Sessions need caches mlx-lm can extract and re-insert; prefix blocks need plain KVCaches.
@@ -88,7 +88,7 @@ class MLXEngine:
         # Queued chunks keep MLX's decode pipeline; measured on an H200 (docs/stalls.md) they
         # gave 0.94-1.02x the tokens/s of blocking ones at budget 0 and a lower ITL p99. (They
         # had been 2.5x slower on an H100 while cuDNN's attention built a graph per chunk shape.)
-        self._queue_chunks = True if queue_chunks is None else queue_chunks
+        self._queue_chunks = queue_chunks
         self._prefill: PipelinedPrefill | None = None
         self.on_queue: Callable[[], None] | None = None
         self._install()

@@ -36,11 +36,16 @@ class HostPaddedKVCache(BatchKVCache):
     reads = 0
     """How often any such cache had to read its padding back (tests hold it at 0)."""
 
+    def known_padding(self) -> list[int] | None:
+        """Each row's left padding if the host knows it (None: the array is not one it mirrors)."""
+        memo = self._host
+        return memo[1] if memo is not None and memo[0] is self.left_padding else None
+
     def padding(self) -> list[int]:
         """Each row's left padding, as kept on the host."""
-        memo = self._host
-        if memo is not None and memo[0] is self.left_padding:
-            return memo[1]
+        known = self.known_padding()
+        if known is not None:
+            return known
         # An array this class did not make (someone set it): read it, once.
         HostPaddedKVCache.reads += 1
         values: list[int] = self.left_padding.tolist()  # type: ignore[assignment]
@@ -156,8 +161,7 @@ def _mismatch() -> str | None:
         return pair[0], pair[1]
 
     def differs(what: str, theirs: Any, mine: Any) -> str | None:
-        known = mine._host if type(mine) is HostPaddedKVCache else None
-        if known is None or known[0] is not mine.left_padding:
+        if type(mine) is not HostPaddedKVCache or mine.known_padding() is None:
             return f"after BatchKVCache.{what}, the padding is no longer known on the host"
         if mine.padding() != theirs.left_padding.tolist() or mine._idx != theirs._idx:
             return f"BatchKVCache.{what} moved the rows' padding otherwise than mirrored"

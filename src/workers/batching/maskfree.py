@@ -7,12 +7,12 @@ in `stream_generate`, which passes no mask). With no left padding that mask is a
 None instead computes the same attention over the same keys.
 
 `MaskFreeDecode.before_step` looks at the generation batch before each `BatchGenerator.next()`:
-when its rows changed, it asks whether any row is left-padded. When the rows' padding is known on
-the host (rows left: `HostPaddedKVCache`), it decides at once; otherwise it asks without waiting
-for the answer (reading it at once would wait for the step in flight and break MLX's pipelined
-decode), that step runs masked, and at the next one, if the rows are the same and no row is padded (one row;
-rows of equal length; shared padding trimmed by mlx-lm's `filter`), each layer's cache gets a
-`make_mask` that returns None for one-token steps. Any other cache type, or any padding, keeps
+when its rows changed, it asks whether any row is left-padded. Where the host knows the rows'
+padding (`HostPaddedKVCache`) it decides at once; otherwise it asks without waiting for the
+answer (reading it at once would wait for the step in flight and break MLX's pipelined decode),
+that step runs masked, and the next one decides. If no row is padded (one row; rows of equal
+length; shared padding trimmed by `filter`), each layer's cache gets a `make_mask` that returns
+None for one-token steps. Any other cache type, or any padding, keeps
 mlx-lm's own mask. What this relies on is listed in `REQUIRED` and checked by
 `check_mlx_lm()` (and by a test), so an mlx-lm upgrade that changes it fails loudly.
 """
@@ -149,11 +149,11 @@ class MaskFreeDecode:
         if not caches or any(type(c) not in PLAIN for c in caches):
             return
         first = caches[0]
-        known = first._host if isinstance(first, HostPaddedKVCache) else None
+        known = first.known_padding() if isinstance(first, HostPaddedKVCache) else None
         if len(self._rows) == 1:  # a lone row has no padding (mlx-lm's filter trims what rows share)
             self._turn_on()
-        elif known is not None and known[0] is first.left_padding:
-            if not any(known[1]):  # the padding is known on the host (a filter made it)
+        elif known is not None:
+            if not any(known):
                 self._turn_on()
         else:  # every layer shares the same padding
             self._padded = mx.any(caches[0].left_padding)

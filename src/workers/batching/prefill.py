@@ -128,7 +128,6 @@ class JoiningBatch(GenerationBatch):
         self._joining = True  # GenerationBatch.__init__ steps new rows at once: not here
         super().__init__(*args, **kwargs)
         self._joining = False
-        host_padded(self.prompt_cache)
         self._priming = [True] * len(self.uids)
         # Stand-ins for the log-probabilities the skipped step would have made: passed to the
         # next step's eval (which skips what is not an array), never read by a response. Not an
@@ -148,7 +147,6 @@ class JoiningBatch(GenerationBatch):
     def extend(self, batch: Any) -> None:
         alone = not self.uids
         super().extend(batch)  # type: ignore[no-untyped-call]
-        host_padded(self.prompt_cache)
         self._priming.extend(getattr(batch, "_priming", [False] * len(batch.uids)))
         if alone and any(self._priming):
             # No decoding rows to share the pass with: feed the last prompt tokens now, as
