@@ -191,20 +191,16 @@ class AdmissionCore:
             if live is None or live.state not in TAKES_TOKENS:
                 continue
             text, hit = live.text.add(tokens)
-            n = live.took(tokens)
+            n, ttft, gap = live.took(tokens, now)
             if lps is not None and live.logprobs is not None:
                 live.logprobs.extend(lps.get(rid, ()))
             if live.pinned:  # its prompt is in the batch: the cached blocks may go
                 live.pinned = False
                 memory.unpin(rid)
             policy.on_tokens(live.item, n)
-            if live.first_token_at is None:
-                live.first_token_at = now
-                obs.tokens(n, now - live.submit.submitted_at, None)
+            obs.tokens(n, ttft, gap)
+            if ttft is not None:
                 log.debug("first_token", request_id=rid, tenant=live.item.tenant)
-            else:
-                obs.tokens(n, None, now - live.last_token_at)
-            live.last_token_at = now
             if hit and live.submit.request.session is not None:
                 # The end waits for the worker to keep the session's KV, so that a next turn sent
                 # as soon as this one ends finds it.

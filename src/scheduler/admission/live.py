@@ -88,15 +88,21 @@ class Live:
     def rid(self) -> int:
         return self.item.rid
 
-    def took(self, tokens: list[int]) -> int:
-        """Count a step's tokens for it (it is running from its first); how many."""
+    def took(self, tokens: list[int], now: float) -> tuple[int, float | None, float | None]:
+        """Count a step's tokens for it, arrived at `now` (it is running from its first): how
+        many, and either the time to its first token (these are its first) or the gap since its
+        last ones."""
         n = len(tokens)
         self.completion_tokens += n
         self.tokens.extend(tokens)
         self.length += n
         if self.state is State.PREFILLING:
             self.state = State.RUNNING
-        return n
+        if self.first_token_at is None:
+            self.first_token_at = self.last_token_at = now
+            return n, now - self.submit.submitted_at, None
+        gap, self.last_token_at = now - self.last_token_at, now
+        return n, None, gap
 
     def take_logprobs(self) -> list[TokenLogprob] | None:
         """What the next chunk carries: the pending log-probabilities, aligned with its tokens."""
