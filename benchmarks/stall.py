@@ -12,7 +12,8 @@ in rotating order, with prompt lengths drawn from `--prompt-min`..`--prompt-max`
 medians with each one's ratios to budget 0. Flags after a colon change one thing each:
 `:keepcache` makes MLX's `clear_cache` a no-op (mlx-lm clears the allocator cache after every
 prefill chunk), `:queued` / `:blocking` set `[worker] prefill_chunks`, and `:mlxpad` uses mlx-lm's
-own batch-cache filter, which waits for the device to read the rows' padding:
+own batch-cache filter, which waits for the device to read the rows' padding; `:key=value` sets
+any `[worker]` setting (`0:prefill_batch=4:prefill_pack=false`):
 
     python benchmarks/stall.py --variants 0 auto 256 auto:keepcache --prompt-min 64 --prompt-max 512 \
         --concurrency 32 --max-tokens 48 --seconds 20 --repeat 3
@@ -114,11 +115,13 @@ async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float 
     return trace.result(wall)
 
 
-def make_config(args: argparse.Namespace, budget: str, chunks: str = "auto") -> SchedulerConfig:
+def make_config(args: argparse.Namespace, budget: str, chunks: str = "auto",
+                settings: dict[str, str] | None = None) -> SchedulerConfig:
+    worker = {"max_batch": str(args.concurrency), "prefill_batch": str(args.prefill_batch),
+              "prefill_step": str(args.prefill_step), "step_token_budget": budget,
+              "prefill_chunks": f'"{chunks}"', **(settings or {})}
     return SchedulerConfig.from_toml(
-        f'[model]\npath = "{args.model}"\n[worker]\nmax_batch = {args.concurrency}\n'
-        f"prefill_batch = {args.prefill_batch}\nprefill_step = {args.prefill_step}\n"
-        f'step_token_budget = {budget}\nprefill_chunks = "{chunks}"\n'
+        f'[model]\npath = "{args.model}"\n[worker]\n' + "".join(f"{k} = {v}\n" for k, v in worker.items())
     )
 
 
@@ -137,7 +140,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/stall.json")
     ap.add_argument("--prompt-min", type=int, default=0, help="with --prompt-max: random prompt lengths")
     ap.add_argument("--prompt-max", type=int, default=0)
-    ap.add_argument("--variants", nargs="+", default=None, help='budget settings: 0, "auto", tokens; flags :keepcache :queued :blocking :mlxpad')
+    ap.add_argument("--variants", nargs="+", default=None, help='budget settings: 0, "auto", tokens; flags :keepcache :queued :blocking :mlxpad, '
+                    "and :key=value for any [worker] setting (:prefill_batch=4)")
     ap.add_argument("--repeat", type=int, default=1)
     args = ap.parse_args()
     configure_logging(level="warning")
@@ -215,7 +219,8 @@ def compare(args: argparse.Namespace) -> None:
         order = args.variants[rep % len(args.variants):] + args.variants[:rep % len(args.variants)]
         for variant in order:
             budget, *flags = variant.split(":")
-            unknown = set(flags) - set(FLAGS)
+            settings = dict(f.split("=", 1) for f in flags if "=" in f)
+            unknown = {f for f in flags if "=" not in f} - set(FLAGS)
             if unknown:
                 raise SystemExit(f"unknown variant flag(s) {sorted(unknown)} in {variant!r}; known: {FLAGS}")
             budget = f'"{budget}"' if budget == "auto" else budget
@@ -226,7 +231,8 @@ def compare(args: argparse.Namespace) -> None:
                 if variant == PEER:
                     result = run_peer(args)
                 else:
-                    result = anyio.run(lambda b=budget, c=chunks: run(make_config(args, b, c), args, rate=None))
+                    config = make_config(args, budget, chunks, settings)
+                    result = anyio.run(lambda c=config: run(c, args, rate=None))
             finally:
                 mx.clear_cache = clear  # type: ignore[assignment]
                 hostpad.ENABLED = True

@@ -117,3 +117,25 @@ async def test_budget_keeps_greedy_output_identical_on_the_real_engine(model_cac
                         await anyio.sleep(0.002)
         outputs[budget] = [got[i] for i in range(len(ps))]
     assert outputs["0"] == outputs["24"] == outputs['"auto"']
+
+
+def test_full_speed_prefill_packs_short_prompts_into_one_pass() -> None:
+    # A pass holds up to prefill_batch prompts of prefill_step tokens: 8 x 512 = 4096 tokens.
+    b = PrefillBudget(0, max_chunk=512, max_prompts=8, max_batch=128, pack=True)
+    assert b.plan(decoding=40, in_prefill=0, waiting=100, room=88, chunks=[127] * 100) == (512, 32)
+    # Padded to the longest prompt in the pass: a long one limits how many share it.
+    chunks = [100, 400] + [100] * 50
+    assert b.plan(decoding=0, in_prefill=0, waiting=52, room=128, chunks=chunks) == (512, 10)
+    # Prompts already part-way through count first, and longer than a chunk count as a chunk.
+    assert b.plan(decoding=0, in_prefill=2, waiting=99, room=126, chunks=[3000, 60] + [10] * 99) == (512, 8)
+    # Never more than the free slots (or max_batch), never fewer than prefill_batch.
+    assert b.plan(decoding=0, in_prefill=0, waiting=100, room=20, chunks=[10] * 100) == (512, 20)
+    assert b.plan(decoding=0, in_prefill=0, waiting=300, room=300, chunks=[1] * 300) == (512, 128)
+    assert b.plan(decoding=0, in_prefill=0, waiting=3, room=64, chunks=[10] * 3) == (512, 8)
+    # Without packing, prefill_batch prompts a pass whatever their length, as mlx-lm does.
+    plain = PrefillBudget(0, max_chunk=512, max_prompts=8, max_batch=128)
+    assert plain.plan(decoding=0, in_prefill=0, waiting=100, room=128, chunks=[10] * 100) == (512, 8)
+    # While others decode under a budget, the budget decides, packing or not.
+    fixed = PrefillBudget(128, max_chunk=512, max_prompts=8, max_batch=128, pack=True)
+    assert fixed.plan(decoding=10, in_prefill=0, waiting=50, room=50, chunks=[10] * 50) == (32, 4)
+    assert fixed.plan(decoding=0, in_prefill=0, waiting=50, room=50, chunks=[10] * 50) == (512, 50)

@@ -4,6 +4,7 @@ must describe the generator truly."""
 
 from __future__ import annotations
 
+from collections import deque
 from importlib.metadata import version
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from workers.batching.mlxlm import (
     missing_prefill_fields,
     missing_private_fields,
     model_classes,
+    next_chunks,
     prompt_tokens_done,
     queue_sizes,
 )
@@ -158,3 +160,37 @@ def test_without_them_the_generator_keeps_its_own_path(model_cache: Path) -> Non
         assert install(gen) is None
     assert gen._prompt_batch is own
     assert [e["event"] for e in logs] == ["prefill_path_unavailable"]
+
+
+def test_next_chunks_are_each_rows_next_prompt_segment(model_cache: Path) -> None:
+    model, _ = load_model("synthetic:tiny", model_cache)
+    gen = BatchGenerator(model, max_tokens=4, prefill_batch_size=2, prefill_step_size=4)
+    try:
+        assert missing_prefill_fields(gen) == []
+        assert list(next_chunks(gen)) == []  # the start-up probe left nothing queued
+        gen.insert([[5] * 10, [6] * 3, [7] * 7], max_tokens=[2, 2, 2])
+        # Each prompt's last token is a segment of its own (fed when the row joins).
+        assert list(next_chunks(gen)) == [9, 2, 6]
+        gen.next()  # the first two prefill 4 tokens: 5 left of the first, the second joins next
+        assert list(next_chunks(gen)) == [5, 1, 6]
+    finally:
+        gen.close()
+
+
+def test_a_changed_waiting_row_layout_is_named(model_cache: Path) -> None:
+    model, _ = load_model("synthetic:tiny", model_cache)
+    gen = BatchGenerator(model, max_tokens=4)
+
+    class Reordered(deque):  # type: ignore[type-arg]
+        def extend(self, rows: object) -> None:
+            super().extend((row[1], row[0], *row[2:]) for row in rows)  # type: ignore[attr-defined]
+
+    gen._unprocessed_sequences = Reordered()
+    try:
+        assert missing_prefill_fields(gen) == ["BatchGenerator._unprocessed_sequences[i][1]"]
+        assert len(gen._unprocessed_sequences) == 0
+        with capture_logs() as logs:
+            assert install(gen) is None
+        assert [e["event"] for e in logs] == ["prefill_path_unavailable"]
+    finally:
+        gen.close()

@@ -156,9 +156,54 @@ def test_the_prefill_chunks_setting_reaches_the_engine(model_cache: Path, value:
         built.close()
 
 
+@pytest.mark.parametrize("pack", [True, False])
+def test_the_prefill_pack_setting_reaches_the_engine(model_cache: Path, pack: bool) -> None:
+    from scheduler import SchedulerConfig
+    from scheduler.assembly import real_engine_factory
+
+    cfg = SchedulerConfig.from_toml(
+        f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"\n[worker]\n'
+        f"prefill_pack = {str(pack).lower()}\nprefill_batch = 2\nprefill_step = 32\n"
+    )
+    built, _ = real_engine_factory(cfg)()
+    try:
+        built.insert([Admit(rid=i, prompt=[5 + i] * 9, max_tokens=2, sampling=SamplingSpec(),
+                            stop_token_ids=()) for i in range(8)])
+        assert built.step().prefill_tokens == (8 if pack else 2) * 8  # 64 tokens a pass
+    finally:
+        built.close()
+
+
 def test_a_bad_prefill_chunks_setting_is_named() -> None:
     from scheduler import SchedulerConfig
     from scheduler.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"worker\.prefill_chunks.*'sometimes'"):
         SchedulerConfig.from_toml('[worker]\nprefill_chunks = "sometimes"')
+
+
+@pytest.mark.parametrize("budget", [0, 24])
+def test_a_burst_of_short_prompts_shares_one_pass(tiny: Any, budget: int) -> None:
+    # 4 prompts of 64 tokens a pass: 256 tokens, so 16 prompts of 16 tokens (and their last
+    # token, fed when they join) share the first pass instead of four passes of 4.
+    rng = random.Random(4)
+    admits = [Admit(rid=i, prompt=[rng.randrange(3, 200) for _ in range(17)], max_tokens=5,
+                    sampling=SamplingSpec(), stop_token_ids=()) for i in range(24)]
+    outs, firsts = [], []
+    for pack in (True, False):
+        e = MLXEngine(tiny, vocab_size=256, max_batch=24, prefill_batch=4, prefill_step=64,
+                      step_token_budget=budget, pack_prompts=pack)
+        e.insert(admits)
+        out: dict[int, list[int]] = {a.rid: [] for a in admits}
+        prefilled = []
+        while e.has_work():
+            r = e.step()
+            prefilled.append(r.prefill_tokens)
+            for rid, tok in zip(r.rids, r.tokens, strict=True):
+                out[rid].append(tok)
+        e.close()
+        outs.append(out)
+        firsts.append(prefilled[0])
+    assert firsts == [16 * 16, 4 * 16]
+    assert outs[0] == outs[1]
+    assert all(len(t) == 5 for t in outs[0].values())

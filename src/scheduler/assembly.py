@@ -30,6 +30,7 @@ def real_engine_factory(c: SchedulerConfig) -> EngineFactory[Loaded]:
         prefill_step=c.worker.prefill_step,
         step_token_budget=c.worker.step_token_budget,
         prefill_chunks=c.worker.prefill_chunks,
+        prefill_pack=c.worker.prefill_pack,
         block_tokens=c.kvpool.block_tokens,
         cuda_graphs=c.worker.cuda_graphs,
         fold_quantized=c.worker.fold_quantized,

@@ -80,6 +80,7 @@ def mlx_engine_factory(
     prefill_step: int,
     step_token_budget: int | str = "auto",
     prefill_chunks: str = "auto",
+    prefill_pack: bool = True,
     block_tokens: int = 256,
     cuda_graphs: str = "auto",
     fold_quantized: bool = True,
@@ -109,6 +110,7 @@ def mlx_engine_factory(
             prefill_step=prefill_step,
             step_token_budget=step_token_budget,
             queue_chunks=prefill_chunks != "blocking",  # "auto": queued on every backend
+            pack_prompts=prefill_pack,
             block_tokens=block_tokens,
             grammar=grammar,
         )

@@ -4,9 +4,18 @@ One `BatchGenerator.next()` runs a decode step for the whole batch and then one 
 the prompts being prefilled; that chunk blocks every running stream. The budget bounds it: at most
 `tokens()` prompt tokens (padding included) per step while anything decodes. Pure arithmetic, no
 MLX: the engine tells it what it inserts and applies its plan before each step.
+
+With nothing to stall (budget 0, or nothing decoding) prompts prefill at full speed, and with
+`pack` short ones share a pass: mlx-lm takes `prefill_batch` prompts a pass whatever their length,
+so a burst of short prompts took one step per 8 of them.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 AUTO_TOKENS_PER_SLOT = 1
 AUTO_MIN_CAP = 64
@@ -38,7 +47,8 @@ class PrefillBudget:
     one step's wall time says little about its own work (notably on GPUs)."""
 
     def __init__(
-        self, limit: int | str, *, max_chunk: int, max_prompts: int, max_batch: int = 64
+        self, limit: int | str, *, max_chunk: int, max_prompts: int, max_batch: int = 64,
+        pack: bool = False,
     ) -> None:
         if limit != "auto" and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
             raise ValueError(f"step_token_budget must be 'auto' or an integer >= 0, got {limit!r}")
@@ -46,6 +56,7 @@ class PrefillBudget:
         self._max_chunk = max_chunk
         self._max_prompts = max_prompts
         self._max_batch = max_batch
+        self._pack = pack
         self.prompt_tokens: float | None = None
         """Smoothed length of inserted prompts."""
         self.output_tokens: float | None = None
@@ -69,18 +80,41 @@ class PrefillBudget:
         backlog = min(room, waiting) * self.prompt_tokens / FILL_STEPS
         return min(cap, max(AUTO_MIN_TOKENS, int(demand + backlog)))
 
-    def plan(self, *, decoding: int, in_prefill: int, waiting: int, room: int) -> tuple[int, int]:
+    def plan(
+        self, *, decoding: int, in_prefill: int, waiting: int, room: int, chunks: Iterable[int] = ()
+    ) -> tuple[int, int]:
         """(chunk tokens per prompt, cap on prompts prefilling at once) for the next step.
 
         `decoding`: sequences in the decode batch; `in_prefill`: prompts already part-way through
-        prefill; `waiting`: inserted prompts not started; `room`: free decode slots."""
+        prefill; `waiting`: inserted prompts not started; `room`: free decode slots; `chunks`:
+        the length of what each prompt prefills next (the prefilling ones', then the waiting
+        ones' in the order they start), read only when packing."""
         budget = self.tokens(room=max(0, room - in_prefill), waiting=waiting)
         if budget is None or decoding == 0:  # nobody to stall: prefill at full speed
-            return self._max_chunk, self._max_prompts
+            if not self._pack:
+                return self._max_chunk, self._max_prompts
+            return self._max_chunk, self.packed(chunks, in_prefill + room)
         cap = max(1, min(self._max_prompts, budget // MIN_CHUNK))
         joining = max(0, min(cap - in_prefill, room, waiting))
         prefilling = max(1, in_prefill + joining)
         return max(1, min(self._max_chunk, budget // prefilling)), cap
+
+
+    def packed(self, chunks: Iterable[int], most: int) -> int:
+        """How many prompts one full-speed prefill pass takes: as many as fit, in order, while
+        the pass's padded tokens (prompts x the longest chunk) stay within `max_prompts` chunks
+        of `max_chunk` tokens, the pass mlx-lm's settings allow; never fewer than `max_prompts`,
+        never more than `most` (or `max_batch`). Short prompts then share a pass instead of
+        taking one step each: on a GPU a pass costs the host about as much whatever its size."""
+        limit = self._max_prompts * self._max_chunk
+        most = min(most, self._max_batch)
+        n = longest = 0
+        for length in chunks:
+            longest = max(longest, min(length, self._max_chunk))
+            if n >= most or (n + 1) * longest > limit:
+                break
+            n += 1
+        return max(n, self._max_prompts)
 
 
 def _ema(old: float | None, new: float) -> float:

@@ -22,6 +22,7 @@ from workers.batching.maskfree import MaskFreeDecode
 from workers.batching.mlxlm import (
     current_inputs,
     generation_batch,
+    next_chunks,
     only_joins_next,
     prompt_tokens_done,
     queue_sizes,
@@ -55,6 +56,7 @@ class MLXEngine:
         grammar: GrammarTokenizer | None = None,
         pipelined_prefill: bool = True,
         queue_chunks: bool = True,
+        pack_prompts: bool = True,
     ) -> None:
         self._grammar = None if grammar is None else GrammarRows(grammar, self._decoding_inputs)
         # Sessions need caches mlx-lm can extract and re-insert; prefix blocks need plain KVCaches.
@@ -75,6 +77,7 @@ class MLXEngine:
             max_chunk=prefill_step,
             max_prompts=min(prefill_batch, max_batch),
             max_batch=max_batch,
+            pack=pack_prompts,
         )
         self._model = model
         self._batching: dict[str, Any] = dict(
@@ -246,6 +249,7 @@ class MLXEngine:
             in_prefill=sizes.prefilling,
             waiting=sizes.waiting,
             room=gen.completion_batch_size - decoding,
+            chunks=next_chunks(gen) if self._prefill is not None else (),
         )
         before = prompt_tokens_done(gen)
         if self._prefill is not None:

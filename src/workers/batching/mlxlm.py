@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import inspect
 from importlib import import_module
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 PRIVATE_FIELDS: dict[str, str] = {
     "BatchGenerator._generation_batch": "the decoding rows: queue sizes, prefix blocks, mask-free decode",
@@ -24,6 +27,7 @@ PRIVATE_FIELDS: dict[str, str] = {
     "BatchGenerator._unprocessed_sequences": "the rows waiting to prefill: the prefill budget's plan",
     "BatchGenerator._counters.prompt_tokens": "prompt tokens prefilled so far: each step's prefill count",
     "BatchGenerator._currently_processing": "prefilling rows' segments left: a lone prompt joins at once",
+    "BatchGenerator._unprocessed_sequences[i][1]": "a waiting row's prompt segments: packing short prompts",
     "GenerationBatch.uids": "which row is which request",
     "GenerationBatch.prompt_cache": "the rows' caches: a finished prompt's KV blocks",
     "GenerationBatch._current_tokens": "the tokens a decode step feeds its rows: grammar rows' matchers",
@@ -68,6 +72,15 @@ def only_joins_next(gen: Any) -> bool:
         bool(processing) and not gen._generation_batch.uids and not gen._unprocessed_sequences
         and all(len(s[0]) == 1 and len(s[0][0]) == 1 for s in processing)
     )
+
+
+def next_chunks(gen: Any) -> Iterator[int]:
+    """The length of the prompt segment each row prefills next: the prefilling rows', then the
+    waiting rows' in the order they start (lazily: a plan reads only the first few)."""
+    for seq in gen._currently_processing:
+        yield len(seq[0][0]) if seq[0] else 0
+    for waiting in gen._unprocessed_sequences:
+        yield len(waiting[1][0])
 
 
 def prompt_tokens_done(gen: Any) -> int:
@@ -131,7 +144,21 @@ def missing_prefill_fields(gen: Any) -> list[str]:
         missing.append("BatchGenerator._currently_processing")
     if not callable(getattr(generate, "_right_pad_prompts", None)):
         missing.append("mlx_lm.generate._right_pad_prompts")
+    if isinstance(gen, generate.BatchGenerator) and not _segments_as_expected(gen):
+        missing.append("BatchGenerator._unprocessed_sequences[i][1]")
     return missing
+
+
+def _segments_as_expected(gen: Any) -> bool:
+    """Whether a waiting row's prompt segments sit where `next_chunks` reads them: a probe row
+    queued in `gen` (a fresh generator: only queued, never computed), then taken off again."""
+    gen.insert([[1, 2, 3]], max_tokens=[1])
+    try:
+        return list(next_chunks(gen)) == [2]  # the last prompt token is a segment of its own
+    except (TypeError, IndexError, AttributeError):
+        return False
+    finally:
+        gen._unprocessed_sequences.pop()
 
 
 def keep_leading_space(detokenizer: Any) -> Any:
