@@ -125,7 +125,10 @@ def test_full_speed_prefill_packs_short_prompts_into_one_pass() -> None:
     assert b.plan(decoding=40, in_prefill=0, waiting=100, room=88, chunks=[127] * 100) == (512, 32)
     # Padded to the longest prompt in the pass: a long one limits how many share it.
     chunks = [100, 400] + [100] * 50
-    assert b.plan(decoding=0, in_prefill=0, waiting=52, room=128, chunks=chunks) == (512, 10)
+    assert b.plan(decoding=0, in_prefill=0, waiting=52, room=128, chunks=chunks) == (512, 8)
+    # Whole multiples of prefill_batch (20 of 200 tokens fit: 16 go), unless the free slots stop it.
+    assert b.plan(decoding=0, in_prefill=0, waiting=50, room=128, chunks=[200] * 50) == (512, 16)
+    assert b.plan(decoding=0, in_prefill=0, waiting=50, room=13, chunks=[100] * 50) == (512, 13)
     # Prompts already part-way through count first, and longer than a chunk count as a chunk.
     assert b.plan(decoding=0, in_prefill=2, waiting=99, room=126, chunks=[3000, 60] + [10] * 99) == (512, 8)
     # Never more than the free slots (or max_batch), never fewer than prefill_batch.

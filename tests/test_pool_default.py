@@ -4,6 +4,7 @@ starts with no config; a model that does not is told how much memory it needs.""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import mlx.core as mx
 import msgspec
@@ -59,3 +60,24 @@ def test_the_cpu_backend_falls_back_to_the_machines_ram() -> None:
     info = msgspec.structs.replace(fake_info(), weights_bytes=0, kv_bytes_per_token=1024)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert pool_size(SchedulerConfig().kvpool, info, None) == int(ram * 0.8) // (256 * 1024)
+
+
+@pytest.mark.anyio
+async def test_mlx_buffer_cache_is_bounded_by_the_model_budget(model_cache: Path) -> None:
+    from scheduler import Scheduler
+    from workers.factory import BUFFER_CACHE_SHARE, MIN_BUFFER_CACHE
+
+    config = SchedulerConfig.from_toml(
+        f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"\n[kvpool]\nmemory = "3GiB"\n'
+    )
+    before = mx.set_cache_limit(0)
+    try:
+        mx.set_cache_limit(before)
+        async with Scheduler(config) as sched:
+            stats = sched.stats()
+            budget = stats.weights_bytes + stats.kv_budget_bytes
+            # set_cache_limit answers the limit it replaces: the one the scheduler set.
+            assert mx.set_cache_limit(before) == max(MIN_BUFFER_CACHE, int(budget * BUFFER_CACHE_SHARE))
+            assert 2.9 * GiB < budget <= 3 * GiB
+    finally:
+        mx.set_cache_limit(before)

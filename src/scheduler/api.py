@@ -15,6 +15,7 @@ from kvpool.books import BlockBooks
 from kvpool.pool import Pool
 from metrics.logging import configure_logging
 from metrics.prometheus import SchedulerMetrics
+from scheduler import assembly
 from scheduler.admission.actor import Admission
 from scheduler.admission.kvplan import KVPlan, layer_bytes, pool_size
 from scheduler.admission.messages import Cancel, Close, DropSession, Submit, SubmitEnvelope
@@ -111,6 +112,7 @@ class Scheduler:
             info = loaded.info
             log_model_facts(loaded)
             blocks = pool_size(c.kvpool, info, loaded.device_memory)
+            assembly.bound_cache(loaded, blocks, c.kvpool.block_tokens)
             self._pool = Pool(BlockBooks(blocks, c.kvpool.block_tokens,
                                          c.kvpool.block_tokens * info.kv_bytes_per_token))
             plan = KVPlan(

@@ -128,6 +128,23 @@ def mlx_engine_factory(
     return build
 
 
+BUFFER_CACHE_SHARE = 0.25
+"""MLX keeps freed buffers for reuse up to its cache limit, by default about the device's whole
+memory, and on CUDA our prefill path never empties that cache (`prefill.py`): a long run at many
+streams can hold much of a GPU in cached buffers that another process on it (a second replica, a
+peer) then cannot get. Measured on an H200: a server started beside a process that had run 256
+streams failed requests with "cudaMallocAsync ... out of memory". So the cache is bounded by a
+share of the model's memory budget (`[kvpool] memory`), which the rest of the device can spare."""
+MIN_BUFFER_CACHE = 256 * 2**20
+
+
+def bound_buffer_cache(budget_bytes: int) -> int:
+    """Cap MLX's buffer cache for a model whose weights and KV are given `budget_bytes`; the cap."""
+    limit = max(MIN_BUFFER_CACHE, int(budget_bytes * BUFFER_CACHE_SHARE))
+    mx.set_cache_limit(limit)
+    return limit
+
+
 def device_memory() -> int | None:
     """The memory a model may use on MLX's device, where the backend says: on Metal the
     recommended working set (what mlx-lm wires), on CUDA the device's total memory."""

@@ -105,7 +105,12 @@ class PrefillBudget:
         the pass's padded tokens (prompts x the longest chunk) stay within `max_prompts` chunks
         of `max_chunk` tokens, the pass mlx-lm's settings allow; never fewer than `max_prompts`,
         never more than `most` (or `max_batch`). Short prompts then share a pass instead of
-        taking one step each: on a GPU a pass costs the host about as much whatever its size."""
+        taking one step each: on a GPU a pass costs the host about as much whatever its size.
+
+        Unless the free slots are what stops it, the count is a whole multiple of `max_prompts`:
+        rows that start together finish together when their outputs are alike, and a group cut
+        to fit the next time (10 into 8 and 2) would leave a small group that costs a pass of its
+        own every time after (measured on an H200: 0.8x the tokens/s in such a closed loop)."""
         limit = self._max_prompts * self._max_chunk
         most = min(most, self._max_batch)
         n = longest = 0
@@ -114,6 +119,8 @@ class PrefillBudget:
             if n >= most or (n + 1) * longest > limit:
                 break
             n += 1
+        if n < most:
+            n -= n % self._max_prompts
         return max(n, self._max_prompts)
 
 
