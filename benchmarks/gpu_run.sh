@@ -41,7 +41,8 @@
 #               names in $MODELS may be named models (smollm2-135m, staged by
 #               benchmarks/stage_smollm2.sh); both need Ray staged (the cluster stage). $CLUSTER_ARGS
 #               adds options (e.g. "--py-spy PATH": each process's stacks in (b)'s second round;
-#               "--connections 100 0": the client's cap on open streams, both interleaved)
+#               "--connections 100 0": the client's cap on open streams, both interleaved;
+#               "--clients 4": each round sent by 4 client processes, as one caps at ~2,000 tok/s)
 #   stall       benchmarks/stall.py: the closed loop of prompts of 64-512 tokens at $STALL_CONC streams
 #               (32 64), 48 tokens each, $STALL_S (10) s a run, $REPEAT (2) rounds, for each of
 #               $STALL_VARIANTS (default "0 auto"; flags such as 0:queued, 0:mlxpad: stall.py's header)

@@ -4,7 +4,7 @@ starts with no config; a model that does not is told how much memory it needs.""
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import msgspec
@@ -16,6 +16,9 @@ from scheduler.config import DEFAULT_MEMORY
 from scheduler.errors import ConfigError
 from tests.fakes import fake_info
 from workers.factory import device_memory
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 GiB = 2**30
 # An 8B llama shape: 32 layers x 8 KV heads x 128 x K,V x bf16.
