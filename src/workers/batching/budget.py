@@ -99,7 +99,6 @@ class PrefillBudget:
         prefilling = max(1, in_prefill + joining)
         return max(1, min(self._max_chunk, budget // prefilling)), cap
 
-
     def packed(self, chunks: Iterable[int], most: int) -> int:
         """How many prompts one full-speed prefill pass takes: as many as fit, in order, while
         the pass's padded tokens (prompts x the longest chunk) stay within `max_prompts` chunks
