@@ -50,6 +50,10 @@ def log_model_facts(loaded: Loaded) -> None:
     if loaded.precision.dtype:
         log.info("model_precision", model=info.name, dtype=loaded.precision.dtype,
                  dequantized_layers=loaded.precision.dequantized, note=loaded.precision.note)
+    note = getattr(loaded.codec, "detokenizer_note", "")
+    if note:
+        log.info("detokenizer", model=info.name, kind="rust" if note == "rust" else "mlx-lm",
+                 reason="" if note == "rust" else note)
     if loaded.prefix_unavailable:
         log.warning("prefix_cache_unavailable", model=info.name, reason=loaded.prefix_unavailable)
     if loaded.mask_free_unavailable:

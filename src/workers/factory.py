@@ -19,6 +19,7 @@ from workers.blas import BlasState, blas_state
 from workers.cuda import apply_cuda_defaults, on_cuda
 from workers.loading.dtypes import Dequantize, DTypeName, Precision
 from workers.loading.models import ModelInfo, load, model_info, resolve_model
+from workers.loading.streamdetok import RustDetokenizer, rust_detokenizer
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -29,10 +30,17 @@ log = structlog.get_logger("workers")
 
 
 class TokenizerCodec:
-    """Text in and out through an mlx-lm `TokenizerWrapper` (used on the event loop only)."""
+    """Text in and out through an mlx-lm `TokenizerWrapper` (used on the event loop only).
+    Streaming detokenizers are the Rust `DecodeStream` where it gives mlx-lm's text
+    (`streamdetok.py`), else mlx-lm's; `detokenizer_note` says which, and why."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._rust: Any = None
+        why = rust_detokenizer(hf_tokenizer(tokenizer), keep_leading_space(tokenizer.detokenizer))
+        if not why:
+            self._rust = hf_tokenizer(tokenizer).backend_tokenizer
+        self.detokenizer_note = why or "rust"
 
     def encode(self, text: str) -> list[int]:
         # As mlx_lm.generate does: special tokens (BOS) unless the text already starts with BOS.
@@ -41,6 +49,8 @@ class TokenizerCodec:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special))
 
     def detokenizer(self) -> Any:
+        if self._rust is not None:
+            return RustDetokenizer(self._rust)
         return keep_leading_space(self.tokenizer.detokenizer)
 
 

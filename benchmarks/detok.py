@@ -1,0 +1,84 @@
+"""Streaming detokenization per token: mlx-lm's detokenizer (Python) against the Rust
+`DecodeStream` the scheduler uses where it gives the same text (`workers/loading/streamdetok.py`).
+
+The event loop detokenizes every row of every step, so this is a per-row cost of the actor stack
+(docs/host-cost.md). Each tokenizer streams an English text of its own tokens and a sequence of
+random ids, one token at a time with `last_segment` read after each (as the scheduler does),
+in requests of `--per-request` tokens, both ways in turn, `--repeat` times; the medians, in microseconds per token:
+
+    python benchmarks/detok.py --models smollm2-135m synthetic:qwen2.5-0.5b synthetic:llama-3.2-1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from workers.batching.mlxlm import hf_tokenizer, keep_leading_space
+from workers.loading.models import load_model
+from workers.loading.streamdetok import NUL_TOKEN, RustDetokenizer
+
+TEXT = ("The scheduler admits requests under a policy, steps a batch of sequences on its own thread "
+        "and streams each token's text to its caller. Naïve café owners in 東京 say: 🚀 fast! ")
+
+
+def per_token_us(detok: Any, ids: list[int], per_request: int) -> float:
+    """Requests of `per_request` tokens each, one after another through one detokenizer."""
+    start = time.perf_counter()
+    for at in range(0, len(ids), per_request):
+        detok.reset()
+        for token in ids[at : at + per_request]:
+            detok.add_token(token)
+            detok.last_segment  # noqa: B018 - read as the scheduler reads it, every step
+        detok.finalize()
+    return (time.perf_counter() - start) / len(ids) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "synthetic:qwen2.5-0.5b",
+                                                    "synthetic:llama-3.2-1b"])
+    ap.add_argument("--tokens", type=int, default=20_000)
+    ap.add_argument("--per-request", type=int, default=256, help="tokens per request (a reset between)")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/results/detok.json")
+    args = ap.parse_args()
+    load = os.getloadavg()[0]
+    rows = []
+    for name in args.models:
+        _, tokenizer = load_model(name, None)
+        rust = hf_tokenizer(tokenizer).backend_tokenizer
+        text = rust.encode(TEXT, add_special_tokens=False).ids
+        english = (text * (args.tokens // len(text) + 1))[: args.tokens]
+        rng = random.Random(0)
+        vocab, nul = rust.get_vocab_size(with_added_tokens=True), rust.token_to_id(NUL_TOKEN)
+        noise = [t for t in (rng.randrange(vocab) for _ in range(args.tokens)) if t != nul]
+        theirs, ours = keep_leading_space(tokenizer.detokenizer), RustDetokenizer(rust)
+        for kind, ids in (("text", english), ("random ids", noise)):
+            times: dict[str, list[float]] = {"mlx-lm": [], "rust": []}
+            for _ in range(args.repeat):
+                times["mlx-lm"].append(per_token_us(theirs, ids, args.per_request))
+                times["rust"].append(per_token_us(ours, ids, args.per_request))
+            mlx, rs = statistics.median(times["mlx-lm"]), statistics.median(times["rust"])
+            rows.append({"model": name, "ids": kind, "mlx_lm_us": mlx, "rust_us": rs, "ratio": rs / mlx,
+                         "runs": times})
+    print(f"\nstreaming detokenization, us per token, {args.per_request} tokens a request, medians of "
+          f"{args.repeat}; load {load:.2f} -> "
+          f"{os.getloadavg()[0]:.2f}")
+    print("| tokenizer | ids | mlx-lm | Rust `DecodeStream` | Rust / mlx-lm |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['model']} | {r['ids']} | {r['mlx_lm_us']:.2f} | {r['rust_us']:.2f} | {r['ratio']:.2f} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "load": load, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

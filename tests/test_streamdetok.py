@@ -1,0 +1,100 @@
+"""The Rust streaming detokenizer (`tokenizers`' DecodeStream) gives mlx-lm's detokenizer's text,
+segment by segment joined, on every tokenizer it is chosen for, and is chosen only where it does."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from workers.batching.mlxlm import hf_tokenizer, keep_leading_space
+from workers.factory import TokenizerCodec
+from workers.loading.models import load_model
+from workers.loading.streamdetok import NUL_TOKEN, RustDetokenizer, rust_detokenizer
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+pytestmark = pytest.mark.integration
+
+
+def stream(detok: Any, ids: list[int]) -> list[str]:
+    detok.reset()
+    out = []
+    for token in ids:
+        detok.add_token(token)
+        out.append(detok.last_segment)
+    detok.finalize()
+    out.append(detok.last_segment)
+    return out
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "synthetic:tiny", "synthetic:qwen2.5-0.5b"])
+def test_its_text_is_mlx_lms_on_random_and_real_ids(name: str, model_cache: Path) -> None:
+    _, tokenizer = load_model(name, model_cache)
+    codec = TokenizerCodec(tokenizer)
+    assert codec.detokenizer_note == "rust"
+    assert isinstance(codec.detokenizer(), RustDetokenizer)
+    rust = hf_tokenizer(tokenizer).backend_tokenizer
+    reference = keep_leading_space(tokenizer.detokenizer)
+    rng = random.Random(7)
+    nul = rust.token_to_id(NUL_TOKEN)
+    vocab = rust.get_vocab_size(with_added_tokens=True)
+    text = " The capital of France is Paris. Ünïcödé 日本語 🚀\n\tend"
+    real = rust.encode(text, add_special_tokens=False).ids
+    for ids in [real, *([t for t in (rng.randrange(vocab) for _ in range(300)) if t != nul] for _ in range(5))]:
+        ours, theirs = stream(codec.detokenizer(), ids), stream(reference, ids)
+        assert "".join(ours) == "".join(theirs)
+        # Never behind mlx-lm's: what it has emitted by a step, ours has too.
+        assert all("".join(ours[: i + 1]).startswith("".join(theirs[: i + 1])) for i in range(len(ids)))
+    assert "".join(stream(codec.detokenizer(), real)) == text  # the leading space kept
+
+
+def test_edges_end_split_characters_ids_past_the_vocabulary_and_nul(model_cache: Path) -> None:
+    _, tokenizer = load_model("smollm2-135m", model_cache)
+    rust = hf_tokenizer(tokenizer).backend_tokenizer
+    ids = rust.encode("日本", add_special_tokens=False).ids  # the first character in two tokens
+    detok = RustDetokenizer(rust)
+    assert stream(detok, ids[:1]) == ["", "\ufffd"]  # an unfinished character, as mlx-lm ends it
+    vocab = rust.get_vocab_size(with_added_tokens=True)
+    assert "".join(stream(detok, [ids[0], vocab + 3, *ids])) == "\ufffd!日本"
+    assert "".join(stream(detok, [rust.token_to_id(NUL_TOKEN)])) == "\x00" == rust.decode(
+        [rust.token_to_id(NUL_TOKEN)])
+    special = rust.token_to_id("<|im_end|>")
+    assert "".join(stream(detok, [*ids, special])) == "日本<|im_end|>"
+
+
+def test_other_decoders_keep_mlx_lms_detokenizer() -> None:
+    word = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    word.decoder = decoders.Metaspace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=word)
+    assert rust_detokenizer(fast, None) == "its decoder is Metaspace, not byte-level"
+    assert rust_detokenizer(SimpleNamespace(), None) == "not a fast (Rust) tokenizer"
+
+
+def test_a_tokenizer_whose_text_differs_keeps_mlx_lms(model_cache: Path) -> None:
+    _, tokenizer = load_model("synthetic:tiny", model_cache)
+
+    class Shouting:  # an mlx-lm detokenizer that would disagree with the tokenizer's decoder
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def reset(self) -> None:
+            self.inner.reset()
+
+        def add_token(self, token: int) -> None:
+            self.inner.add_token(token)
+
+        def finalize(self) -> None:
+            self.inner.finalize()
+
+        @property
+        def last_segment(self) -> str:
+            return str(self.inner.last_segment).upper()
+
+    why = rust_detokenizer(hf_tokenizer(tokenizer), Shouting(keep_leading_space(tokenizer.detokenizer)))
+    assert why == "its text differs from mlx-lm's detokenizer's on a sample of the vocabulary"
