@@ -2,10 +2,10 @@
 interface of mlx-lm's streaming detokenizers.
 
 The event loop detokenizes every row of every step, and mlx-lm's BPE detokenizer does it in
-Python; `DecodeStream` takes less than half the time per token (`benchmarks/detok.py`). It is
-used only where it gives mlx-lm's text: a byte-level BPE tokenizer (GPT-2's scheme, which
-Llama 3, Qwen and SmolLM2 use) whose text for a sample of its whole vocabulary, special tokens included, is the
-same both ways (`rust_detokenizer`). Any other tokenizer keeps mlx-lm's detokenizer.
+Python; `DecodeStream` takes 0.4-0.7x the time per token (`benchmarks/detok.py`). It is used
+only where it gives mlx-lm's text: a byte-level BPE tokenizer (GPT-2's scheme, which Llama 3,
+Qwen and SmolLM2 use) whose text for a sample of its whole vocabulary, special tokens included,
+is the same both ways (`rust_detokenizer`). Any other tokenizer keeps mlx-lm's detokenizer.
 """
 
 from __future__ import annotations
