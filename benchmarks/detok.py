@@ -7,6 +7,10 @@ random ids, one token at a time with `last_segment` read after each (as the sche
 in requests of `--per-request` tokens, both ways in turn, `--repeat` times; the medians, in microseconds per token:
 
     python benchmarks/detok.py --models smollm2-135m synthetic:qwen2.5-0.5b synthetic:llama-3.2-1b
+
+`--scheduler N` instead runs the whole scheduler at N streams (`overhead.py`'s closed loop, the
+first of `--models`), with the Rust detokenizer and with mlx-lm's, `--repeat` pairs in turn,
+callers awaiting `complete()` and streaming `generate()`; the medians' ratio.
 """
 
 from __future__ import annotations
@@ -40,6 +44,37 @@ def per_token_us(detok: Any, ids: list[int], per_request: int) -> float:
     return (time.perf_counter() - start) / len(ids) * 1e6
 
 
+def scheduler_ab(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import anyio
+
+    import workers.factory as factory
+    from benchmarks.overhead import make_prompts, scheduler_run
+    from scheduler import SchedulerConfig
+
+    rust = factory.rust_detokenizer
+    n = args.scheduler
+    config = SchedulerConfig.from_toml(
+        f'[model]\npath = "{args.models[0]}"\n[worker]\nmax_batch = {n}\n[kvpool]\nmemory = "8GiB"\n')
+    runs: dict[tuple[bool, str], list[float]] = {}
+    for rep in range(args.repeat):
+        for stream in (False, True):
+            for side in ("rust", "mlx-lm")[:: 1 if rep % 2 == 0 else -1]:
+                factory.rust_detokenizer = rust if side == "rust" else (lambda *_: "off for the comparison")
+                try:
+                    tokens, elapsed, _ = anyio.run(scheduler_run, config, make_prompts(n * 3, 128, 1000, rep),
+                                                   n, 64, False, None, stream)
+                finally:
+                    factory.rust_detokenizer = rust
+                runs.setdefault((stream, side), []).append(tokens / elapsed)
+    rows = []
+    for stream in (False, True):
+        ours, theirs = (statistics.median(runs[(stream, side)]) for side in ("rust", "mlx-lm"))
+        rows.append({"callers": "generate()" if stream else "complete()", "rust_tok_s": ours,
+                     "mlx_lm_tok_s": theirs, "ratio": ours / theirs,
+                     "runs": {side: runs[(stream, side)] for side in ("rust", "mlx-lm")}})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "synthetic:qwen2.5-0.5b",
@@ -47,9 +82,24 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=20_000)
     ap.add_argument("--per-request", type=int, default=256, help="tokens per request (a reset between)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--scheduler", type=int, default=0, metavar="N",
+                    help="the whole scheduler at N streams, each detokenizer (see above)")
     ap.add_argument("--out", default="benchmarks/results/detok.json")
     args = ap.parse_args()
     load = os.getloadavg()[0]
+    if args.scheduler:
+        from metrics import configure_logging
+
+        configure_logging("console", "warning")
+        table = scheduler_ab(args)
+        print(f"\n{args.models[0]}, {args.scheduler} streams, tok/s, medians of {args.repeat}; "
+              f"load {load:.2f} -> {os.getloadavg()[0]:.2f}")
+        print("| callers | Rust | mlx-lm | Rust / mlx-lm |\n| --- | ---: | ---: | ---: |")
+        for r in table:
+            print(f"| {r['callers']} | {r['rust_tok_s']:,.0f} | {r['mlx_lm_tok_s']:,.0f} | {r['ratio']:.3f} |")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"args": vars(args), "load": load, "rows": table}, indent=1))
+        return
     rows = []
     for name in args.models:
         _, tokenizer = load_model(name, None)
