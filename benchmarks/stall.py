@@ -80,7 +80,13 @@ async def one_request(sched: Scheduler, prompt: list[int], params: SamplingParam
 
 async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float | None) -> dict[str, object]:
     rng = random.Random(args.seed)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    fixed = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def params() -> SamplingParams:
+        if not args.max_tokens_min:
+            return fixed
+        return SamplingParams(max_tokens=rng.randint(args.max_tokens_min, args.max_tokens),
+                              temperature=0.0, ignore_eos=True)
 
     def prompt() -> list[int]:
         n = rng.randint(args.prompt_min, args.prompt_max) if args.prompt_min else args.prompt_tokens
@@ -103,13 +109,13 @@ async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float 
             if rate is None:
                 async def stream() -> None:
                     while time.perf_counter() < end_at:
-                        await one_request(sched, prompt(), params, trace, start)
+                        await one_request(sched, prompt(), params(), trace, start)
 
                 for _ in range(args.concurrency):
                     tg.start_soon(stream)
             else:
                 while time.perf_counter() < end_at:
-                    tg.start_soon(one_request, sched, prompt(), params, trace, start)
+                    tg.start_soon(one_request, sched, prompt(), params(), trace, start)
                     await anyio.sleep(rng.expovariate(rate))
         wall = time.perf_counter() - start
     return trace.result(wall)
@@ -131,6 +137,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens-min", type=int, default=0,
+                    help="output lengths drawn from this..--max-tokens (0: all --max-tokens); with "
+                         "equal lengths, rows that start together finish together")
     ap.add_argument("--prefill-batch", type=int, default=8)
     ap.add_argument("--prefill-step", type=int, default=512)
     ap.add_argument("--seconds", type=float, default=30.0)
@@ -247,7 +256,8 @@ def compare(args: argparse.Namespace) -> None:
 
     base = args.variants[0]
     prompts = f"{args.prompt_min}-{args.prompt_max}" if args.prompt_min else str(args.prompt_tokens)
-    print(f"\n{args.model}, {args.concurrency} streams, prompts {prompts}, output {args.max_tokens}, "
+    output = f"{args.max_tokens_min}-{args.max_tokens}" if args.max_tokens_min else args.max_tokens
+    print(f"\n{args.model}, {args.concurrency} streams, prompts {prompts}, output {output}, "
           f"{args.seconds:.0f} s a run, medians of {args.repeat}; load {min(loads):.2f}-{max(loads):.2f}")
     print(f"{'budget':<16} {'tok/s':>7} {'x ' + base:>8} {'ITL p50':>8} {'ITL p99':>8} {'p99/p50':>8} "
           f"{'TTFT p99':>9} {'x ' + base:>8}")
@@ -319,8 +329,9 @@ def run_peer(args: argparse.Namespace) -> dict[str, object]:
 
             async def one(n: int) -> Record:
                 text, got = maker.make(n, rng)
-                rec = Record(got, args.max_tokens)
-                await target.send(datasets.RequestSpec(text, got, args.max_tokens), sampling, rec)
+                out = rng.randint(args.max_tokens_min, args.max_tokens) if args.max_tokens_min else args.max_tokens
+                rec = Record(got, out)
+                await target.send(datasets.RequestSpec(text, got, out), sampling, rec)
                 return rec
 
             await one(args.prompt_min)  # warm up
