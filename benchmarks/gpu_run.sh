@@ -45,7 +45,8 @@
 #               "--clients 4": each round sent by 4 client processes, as one caps at ~2,000 tok/s)
 #   stall       benchmarks/stall.py: the closed loop of prompts of 64-512 tokens at $STALL_CONC streams
 #               (32 64), 48 tokens each, $STALL_S (10) s a run, $REPEAT (2) rounds, for each of
-#               $STALL_VARIANTS (default "0 auto"; flags such as 0:queued, 0:mlxpad: stall.py's header)
+#               $STALL_VARIANTS (default "0 auto"; flags such as 0:queued, 0:mlxpad: stall.py's header);
+#               $STALL_ARGS adds options ("--max-tokens 96 --max-tokens-min 16": varied output lengths)
 #   served      benchmarks/peers.py at 1 8 64: our server over HTTP beside the in-process
 #               scheduler and mlx_lm.server, one client for all (the served path should keep >= 0.97x of in-process at 64)
 #   served-8b   the same for Llama-3.1-8B's shape (benchmarks/shapes.py builds it, ~16 GB, once),
@@ -90,7 +91,7 @@ for s in "${stages[@]}"; do
         for c in ${STALL_CONC:-32 64}; do
           timeout "$limit" python3 -P benchmarks/stall.py --model "synthetic:$m" --variants ${STALL_VARIANTS:-0 auto} \
             --concurrency "$c" --prompt-min 64 --prompt-max 512 --max-tokens 48 --seconds ${STALL_S:-10} \
-            --repeat ${REPEAT:-2} --out "$out/stall-$m-$c.json"
+            --repeat ${REPEAT:-2} ${STALL_ARGS:-} --out "$out/stall-$m-$c.json"
         done ;;
       served)
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency ${SERVED_CONC:-1 8 64} \
