@@ -98,3 +98,10 @@ def test_a_tokenizer_whose_text_differs_keeps_mlx_lms(model_cache: Path) -> None
 
     why = rust_detokenizer(hf_tokenizer(tokenizer), Shouting(keep_leading_space(tokenizer.detokenizer)))
     assert why == "its text differs from mlx-lm's detokenizer's on a sample of the vocabulary"
+
+    class Broken(Shouting):
+        def add_token(self, token: int) -> None:
+            raise KeyError(token)
+
+    why = rust_detokenizer(hf_tokenizer(tokenizer), Broken(keep_leading_space(tokenizer.detokenizer)))
+    assert why.startswith("comparing it with mlx-lm's detokenizer failed: KeyError")
