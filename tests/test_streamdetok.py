@@ -14,23 +14,12 @@ from transformers import PreTrainedTokenizerFast
 from workers.batching.mlxlm import hf_tokenizer, keep_leading_space
 from workers.factory import TokenizerCodec
 from workers.loading.models import load_model
-from workers.loading.streamdetok import NUL_TOKEN, RustDetokenizer, rust_detokenizer
+from workers.loading.streamdetok import NUL_TOKEN, RustDetokenizer, rust_detokenizer, streamed
 
 if TYPE_CHECKING:
     from pathlib import Path
 
 pytestmark = pytest.mark.integration
-
-
-def stream(detok: Any, ids: list[int]) -> list[str]:
-    detok.reset()
-    out = []
-    for token in ids:
-        detok.add_token(token)
-        out.append(detok.last_segment)
-    detok.finalize()
-    out.append(detok.last_segment)
-    return out
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "synthetic:tiny", "synthetic:qwen2.5-0.5b"])
@@ -47,11 +36,11 @@ def test_its_text_is_mlx_lms_on_random_and_real_ids(name: str, model_cache: Path
     text = " The capital of France is Paris. Ünïcödé 日本語 🚀\n\tend"
     real = rust.encode(text, add_special_tokens=False).ids
     for ids in [real, *([t for t in (rng.randrange(vocab) for _ in range(300)) if t != nul] for _ in range(5))]:
-        ours, theirs = stream(codec.detokenizer(), ids), stream(reference, ids)
+        ours, theirs = streamed(codec.detokenizer(), ids), streamed(reference, ids)
         assert "".join(ours) == "".join(theirs)
         # Never behind mlx-lm's: what it has emitted by a step, ours has too.
         assert all("".join(ours[: i + 1]).startswith("".join(theirs[: i + 1])) for i in range(len(ids)))
-    assert "".join(stream(codec.detokenizer(), real)) == text  # the leading space kept
+    assert "".join(streamed(codec.detokenizer(), real)) == text  # the leading space kept
 
 
 def test_edges_end_split_characters_ids_past_the_vocabulary_and_nul(model_cache: Path) -> None:
@@ -59,13 +48,13 @@ def test_edges_end_split_characters_ids_past_the_vocabulary_and_nul(model_cache:
     rust = hf_tokenizer(tokenizer).backend_tokenizer
     ids = rust.encode("日本", add_special_tokens=False).ids  # the first character in two tokens
     detok = RustDetokenizer(rust)
-    assert stream(detok, ids[:1]) == ["", "\ufffd"]  # an unfinished character, as mlx-lm ends it
+    assert streamed(detok, ids[:1]) == ["", "\ufffd"]  # an unfinished character, as mlx-lm ends it
     vocab = rust.get_vocab_size(with_added_tokens=True)
-    assert "".join(stream(detok, [ids[0], vocab + 3, *ids])) == "\ufffd!日本"
-    assert "".join(stream(detok, [rust.token_to_id(NUL_TOKEN)])) == "\x00" == rust.decode(
+    assert "".join(streamed(detok, [ids[0], vocab + 3, *ids])) == "\ufffd!日本"
+    assert "".join(streamed(detok, [rust.token_to_id(NUL_TOKEN)])) == "\x00" == rust.decode(
         [rust.token_to_id(NUL_TOKEN)])
     special = rust.token_to_id("<|im_end|>")
-    assert "".join(stream(detok, [*ids, special])) == "日本<|im_end|>"
+    assert "".join(streamed(detok, [*ids, special])) == "日本<|im_end|>"
 
 
 def test_other_decoders_keep_mlx_lms_detokenizer() -> None:

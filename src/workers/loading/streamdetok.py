@@ -75,14 +75,15 @@ def rust_detokenizer(hf_tokenizer: Any, reference: Any) -> str:
         return f"its decoder is {type(rust.decoder).__name__}, not byte-level"
     try:
         for sequence in _sample(rust):
-            if _text(RustDetokenizer(rust), sequence) != _text(reference, sequence):
+            ours, theirs = streamed(RustDetokenizer(rust), sequence), streamed(reference, sequence)
+            if "".join(ours) != "".join(theirs):
                 return "its text differs from mlx-lm's detokenizer's on a sample of the vocabulary"
     except Exception as exc:  # a tokenizer's quirk must not stop the model from loading
         return f"comparing it with mlx-lm's detokenizer failed: {type(exc).__name__}: {exc}"
     return ""
 
 
-def _text(detokenizer: Any, ids: list[int]) -> str:
+def streamed(detokenizer: Any, ids: list[int]) -> list[str]:
     """What a request streaming `ids` receives: every step's segment, then the final one."""
     detokenizer.reset()
     out = []
@@ -91,7 +92,7 @@ def _text(detokenizer: Any, ids: list[int]) -> str:
         out.append(detokenizer.last_segment)
     detokenizer.finalize()
     out.append(detokenizer.last_segment)
-    return "".join(out)
+    return out
 
 
 NUL_TOKEN = "\u0100"
