@@ -44,6 +44,29 @@ def per_token_us(detok: Any, ids: list[int], per_request: int) -> float:
     return (time.perf_counter() - start) / len(ids) * 1e6
 
 
+def per_token(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each tokenizer's text and random ids through both detokenizers, in turn."""
+    rows = []
+    for name in args.models:
+        _, tokenizer = load_model(name, None)
+        rust = hf_tokenizer(tokenizer).backend_tokenizer
+        text = rust.encode(TEXT, add_special_tokens=False).ids
+        english = (text * (args.tokens // len(text) + 1))[: args.tokens]
+        rng = random.Random(0)
+        vocab, nul = rust.get_vocab_size(with_added_tokens=True), rust.token_to_id(NUL_TOKEN)
+        noise = [t for t in (rng.randrange(vocab) for _ in range(args.tokens)) if t != nul]
+        theirs, ours = keep_leading_space(tokenizer.detokenizer), RustDetokenizer(rust)
+        for kind, ids in (("text", english), ("random ids", noise)):
+            times: dict[str, list[float]] = {"mlx-lm": [], "rust": []}
+            for _ in range(args.repeat):
+                times["mlx-lm"].append(per_token_us(theirs, ids, args.per_request))
+                times["rust"].append(per_token_us(ours, ids, args.per_request))
+            mlx, rs = statistics.median(times["mlx-lm"]), statistics.median(times["rust"])
+            rows.append({"model": name, "ids": kind, "mlx_lm_us": mlx, "rust_us": rs, "ratio": rs / mlx,
+                         "runs": times})
+    return rows
+
+
 def scheduler_ab(args: argparse.Namespace) -> list[dict[str, Any]]:
     import anyio
 
@@ -91,44 +114,23 @@ def main() -> None:
         from metrics import configure_logging
 
         configure_logging("console", "warning")
-        table = scheduler_ab(args)
+        rows = scheduler_ab(args)
         print(f"\n{args.models[0]}, {args.scheduler} streams, tok/s, medians of {args.repeat}; "
               f"load {load:.2f} -> {os.getloadavg()[0]:.2f}")
         print("| callers | Rust | mlx-lm | Rust / mlx-lm |\n| --- | ---: | ---: | ---: |")
-        for r in table:
+        for r in rows:
             print(f"| {r['callers']} | {r['rust_tok_s']:,.0f} | {r['mlx_lm_tok_s']:,.0f} | {r['ratio']:.3f} |")
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"args": vars(args), "load": load, "rows": table}, indent=1))
-        return
-    rows = []
-    for name in args.models:
-        _, tokenizer = load_model(name, None)
-        rust = hf_tokenizer(tokenizer).backend_tokenizer
-        text = rust.encode(TEXT, add_special_tokens=False).ids
-        english = (text * (args.tokens // len(text) + 1))[: args.tokens]
-        rng = random.Random(0)
-        vocab, nul = rust.get_vocab_size(with_added_tokens=True), rust.token_to_id(NUL_TOKEN)
-        noise = [t for t in (rng.randrange(vocab) for _ in range(args.tokens)) if t != nul]
-        theirs, ours = keep_leading_space(tokenizer.detokenizer), RustDetokenizer(rust)
-        for kind, ids in (("text", english), ("random ids", noise)):
-            times: dict[str, list[float]] = {"mlx-lm": [], "rust": []}
-            for _ in range(args.repeat):
-                times["mlx-lm"].append(per_token_us(theirs, ids, args.per_request))
-                times["rust"].append(per_token_us(ours, ids, args.per_request))
-            mlx, rs = statistics.median(times["mlx-lm"]), statistics.median(times["rust"])
-            rows.append({"model": name, "ids": kind, "mlx_lm_us": mlx, "rust_us": rs, "ratio": rs / mlx,
-                         "runs": times})
-    print(f"\nstreaming detokenization, us per token, {args.per_request} tokens a request, medians of "
-          f"{args.repeat}; load {load:.2f} -> "
-          f"{os.getloadavg()[0]:.2f}")
-    print("| tokenizer | ids | mlx-lm | Rust `DecodeStream` | Rust / mlx-lm |")
-    print("| --- | --- | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['model']} | {r['ids']} | {r['mlx_lm_us']:.2f} | {r['rust_us']:.2f} | {r['ratio']:.2f} |")
+    else:
+        rows = per_token(args)
+        print(f"\nstreaming detokenization, us per token, {args.per_request} tokens a request, medians "
+              f"of {args.repeat}; load {load:.2f} -> {os.getloadavg()[0]:.2f}")
+        print("| tokenizer | ids | mlx-lm | Rust `DecodeStream` | Rust / mlx-lm |")
+        print("| --- | --- | ---: | ---: | ---: |")
+        for r in rows:
+            print(f"| {r['model']} | {r['ids']} | {r['mlx_lm_us']:.2f} | {r['rust_us']:.2f} | {r['ratio']:.2f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "load": load, "rows": rows}, indent=1))
-
 
 if __name__ == "__main__":
     main()

@@ -36,10 +36,9 @@ class TokenizerCodec:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._rust: Any = None
-        why = rust_detokenizer(hf_tokenizer(tokenizer), keep_leading_space(tokenizer.detokenizer))
-        if not why:
-            self._rust = hf_tokenizer(tokenizer).backend_tokenizer
+        hf = hf_tokenizer(tokenizer)
+        why = rust_detokenizer(hf, keep_leading_space(tokenizer.detokenizer))
+        self._rust: Any = None if why else hf.backend_tokenizer
         self.detokenizer_note = why or "rust"
 
     def encode(self, text: str) -> list[int]:
