@@ -8,8 +8,9 @@
     tokens, from every replica's stats) and TTFT p50/p99. Each ratio uses fresh prefixes and
     first warms them up once (not measured).
 (b) Throughput: `--tp-requests` requests of `--tp-prompt-tokens` random tokens, `--tp-max-tokens`
-    generated (ignore_eos), all at once, on 1 and on 2 replicas: generated tokens/s, the median of
-    `--tp-repeat` rounds after an untimed one, and each Serve process's share of a core meanwhile.
+    generated (ignore_eos), all at once, on 1 and on 2 replicas (each with every `--frontends`
+    count): generated tokens/s, the median of `--tp-repeat` rounds after an untimed one, and each
+    Serve process's share of a core meanwhile.
 (c) A replica killed mid-run: `--kill-requests` such requests at `--kill-concurrency` on 2
     replicas; `--kill-after` seconds in, SIGKILL to the replica holding the most. Every request's
     outcome (completed, an error event and its code, a broken stream, an HTTP status), which
@@ -66,14 +67,16 @@ device = "{device}"
 gpus_per_replica = {gpus}
 routing = "{routing}"
 stats_period_s = 0.2
+frontends = {frontends}
 """
 
 
-def config(args: argparse.Namespace, memory: int | str, routing: str = "cache-aware") -> SchedulerConfig:
+def config(args: argparse.Namespace, memory: int | str, routing: str = "cache-aware",
+           frontends: int = 1) -> SchedulerConfig:
     mem = f'"{memory}"' if isinstance(memory, str) else str(memory)
     text = BASE.format(model=args.model, memory=mem, block_tokens=args.block_tokens,
                        max_batch=args.max_batch, cpus=args.cpus_per_replica, device=args.device,
-                       gpus=args.gpus_per_replica, routing=routing)
+                       gpus=args.gpus_per_replica, routing=routing, frontends=frontends)
     return SchedulerConfig.from_toml(text)
 
 
@@ -300,8 +303,8 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
         return random_prompts(rng, args.tp_requests, args.tp_prompt_tokens, vocab)
 
     conns: list[int] = args.connections
-    for replicas in (1, 2):
-        cfg = config(args, args.tp_memory)
+    for replicas, frontends in [(r, f) for r in (1, 2) for f in args.frontends]:
+        cfg = config(args, args.tp_memory, frontends=frontends)
         await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster))
         rounds: dict[int, list[float]] = {c: [] for c in conns}
         ttfts: dict[int, list[float]] = {c: [] for c in conns}
@@ -320,7 +323,7 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
             for i in range(args.tp_repeat):
                 for j, (c, client) in enumerate(zip(conns, clients, strict=True)):  # interleaved
                     t0 = time.perf_counter()
-                    spies = await record(args, f"{replicas}rep", cpu0) if (i, j) == (1, 0) else []
+                    spies = await record(args, f"{replicas}rep{frontends}fe", cpu0) if (i, j) == (1, 0) else []
                     if pool is None:
                         out = await run_all(client, batch(), args.tp_max_tokens, args.tp_requests, ignore_eos=True)
                     else:
@@ -340,8 +343,10 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
                 pool.shutdown()
         for c in conns:
             open_at_once = f", at most {c} open" if c else ", all open"
-            rows.append({"part": "b", "variant": f"{replicas} replica(s)" + (open_at_once if len(conns) > 1 else ""),
-                         "replicas": replicas, "connections": c or None,
+            rows.append({"part": "b", "variant": f"{replicas} replica(s)"
+                         + (f", {frontends} frontend(s)" if len(args.frontends) > 1 else "")
+                         + (open_at_once if len(conns) > 1 else ""),
+                         "replicas": replicas, "frontends": frontends, "connections": c or None,
                          "requests": args.tp_requests, "tokens": args.tp_requests * args.tp_max_tokens,
                          "rounds_tokens_per_s": rounds[c], "tokens_per_s": statistics.median(rounds[c]),
                          "ttft_p50_ms": 1e3 * percentile(ttfts[c], 0.5),
@@ -350,9 +355,15 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
                          "routing": routing, "gpus": gpus})
             print_row(rows[-1])
         serve.delete(APP_NAME)
-    for one, two in zip(rows, rows[len(conns):], strict=False):
+    # Against one replica with the same frontends and connections, and with one frontend.
+    ones = {(r["frontends"], r["connections"]): r for r in rows if r["replicas"] == 1}
+    for two in (r for r in rows if r["replicas"] == 2):
+        one = ones[two["frontends"], two["connections"]]
         two["speedup"] = two["tokens_per_s"] / one["tokens_per_s"]
-        print(f"  {two['variant']} / 1 replica tokens/s (medians): {two['speedup']:.2f}x")
+        base = ones.get((min(args.frontends), two["connections"]), one)
+        two["speedup_vs_fewest_frontends"] = two["tokens_per_s"] / base["tokens_per_s"]
+        print(f"  {two['variant']} / {one['variant']} tokens/s (medians): {two['speedup']:.2f}x; "
+              f"/ {base['variant']}: {two['speedup_vs_fewest_frontends']:.2f}x")
     return rows
 
 
@@ -460,6 +471,8 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=1,
                    help="(b) client processes sending each round (one process's parsing caps what it sees)")
     p.add_argument("--tp-repeat", type=int, default=3, help="(b) timed rounds per deployment (the median)")
+    p.add_argument("--frontends", type=int, nargs="+", default=[1],
+                   help="(b) [cluster] frontends: each count is a deployment of its own, for 1 and 2 replicas")
     p.add_argument("--kill-requests", type=int, default=256)
     p.add_argument("--kill-concurrency", type=int, default=64)
     p.add_argument("--kill-after", type=float, default=3.0)

@@ -1,6 +1,7 @@
 """`serve --replicas 2` for real: two `Scheduler` replicas of synthetic:tiny on a local Ray
 (127.0.0.1, no dashboard), our router, one OpenAI-compatible port. One cluster for the module:
-Ray takes ~30 s to start on 2 cores. The killed-replica and drain tests run last."""
+Ray takes ~30 s to start on 2 cores. The killed-replica test runs late; the last two redeploy
+the application with two frontends, then drain it."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from scheduler.config import SchedulerConfig  # noqa: E402
-from scheduler.serving.cluster.app import APP_NAME, deploy, start_ray  # noqa: E402
+from scheduler.serving.cluster.app import APP_NAME, deploy, drain, start_ray  # noqa: E402
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -47,6 +48,7 @@ max_queue = 8
 [cluster]
 num_cpus = 0.5
 stats_period_s = 0.2
+frontends = {frontends}
 [server]
 # Only the token endpoints are guarded, so the other tests need no key.
 api_keys = ["cluster-key"]
@@ -61,10 +63,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _config(model_cache: Path, frontends: int = 1) -> SchedulerConfig:
+    return SchedulerConfig.from_toml(TOML.format(cache=model_cache, frontends=frontends))
+
+
 @pytest.fixture(scope="module")
 def cluster(model_cache: Path) -> Iterator[str]:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    config = SchedulerConfig.from_toml(TOML.format(cache=model_cache))
+    config = _config(model_cache)
     from workers.loading.models import resolve_model
 
     resolve_model(config.model.path, config.model.cache_dir)
@@ -363,8 +369,32 @@ def test_a_killed_replica_ends_its_requests_and_is_replaced(cluster: str) -> Non
     assert by_replica[newcomer] > 0, by_replica
 
 
-def test_draining_answers_503(cluster: str) -> None:
-    frontend = serve.get_app_handle(APP_NAME)
-    assert frontend.drain.remote(5.0).result(timeout_s=30) == 0
-    reply = complete(cluster, prompt="too late")
-    assert reply.status_code == 503 and reply.json()["error"]["code"] == "shutting_down"
+def test_two_frontends_share_the_work_and_what_each_routed(cluster: str, model_cache: Path) -> None:
+    """`frontends = 2`: Serve's proxy spreads requests over both, and a session's turns stay on
+    one replica whichever frontend takes them (each router learns the sessions the other routed
+    from the replicas' reports). The turns share no prefix, so only the session keeps them."""
+    deploy(_config(model_cache, frontends=2), 2)
+    assert len({health(cluster)["frontend"] for _ in range(24)}) == 2
+
+    def converse(n: int) -> list[str]:
+        seen = []
+        for turn in range(4):
+            reply = complete(cluster, prompt=f"{turn * 17 + n} is where turn {turn} of chat {n} begins",
+                             session=f"two-fronts-{n}")
+            assert reply.status_code == 200, reply.text
+            seen.append(reply.headers["x-replica"])
+            time.sleep(0.6)  # a few of the replicas' reports (every 0.2 s here), as between a user's turns
+        return seen
+
+    with ThreadPoolExecutor(6) as pool:
+        turns = list(pool.map(converse, range(6)))
+    assert all(len(set(seen)) == 1 for seen in turns), turns
+    assert len({seen[0] for seen in turns}) == 2, turns  # and the sessions spread over both
+
+
+def test_draining_reaches_every_frontend(cluster: str) -> None:
+    handle = serve.get_app_handle(APP_NAME)
+    assert drain(handle, 2, 5.0) == 0
+    replies = [complete(cluster, prompt=f"too late {i}") for i in range(12)]
+    assert all(r.status_code == 503 and r.json()["error"]["code"] == "shutting_down" for r in replies), \
+        [r.status_code for r in replies]

@@ -105,6 +105,22 @@ def test_served_records_session_and_blocks() -> None:
     assert aff.owner("s") == "a" and aff.matched("a", (1, 2, 3)) == 2
 
 
+def test_a_session_goes_to_the_replica_of_its_newest_turn_routed_here_or_reported() -> None:
+    """With several frontends, each router hears of the turns the others routed from the
+    replicas' reports, stamped with the turn's time: the newest names the owner."""
+    aff = Affinity()
+    aff.served("a", Route(session="s"), when=100.0)
+    aff.learn_sessions("b", {"s": 90.0, "t": 95.0})  # an older turn of s; t routed by another frontend
+    assert (aff.owner("s"), aff.owner("t")) == ("a", "b")
+    aff.learn_sessions("b", {"s": 110.0})  # another frontend moved s since (its owner was full)
+    assert aff.owner("s") == "b"
+    aff.served("a", Route(session="s"), when=120.0)
+    aff.learn_sessions("b", {"s": 110.0})  # the same report again: what this router did since stands
+    assert aff.owner("s") == "a"
+    aff.forget("b")
+    assert aff.owner("t") is None and aff.owner("s") == "a"
+
+
 def test_cluster_section_parses_and_rejects_bad_values() -> None:
     cfg = SchedulerConfig.from_toml(
         b"[cluster]\nreplicas = 3\ndevice = 'cuda'\ngpus_per_replica = 0.5\nbalance_abs_threshold = 8\n"
@@ -117,6 +133,8 @@ def test_cluster_section_parses_and_rejects_bad_values() -> None:
         SchedulerConfig.from_toml(b"[cluster]\nbalance_rel_threshold = 0.5\n")
     with pytest.raises(ConfigError, match="cluster.device"):
         SchedulerConfig.from_toml(b"[cluster]\ndevice = 'tpu'\n")
+    with pytest.raises(ConfigError, match="cluster.frontends"):
+        SchedulerConfig.from_toml(b"[cluster]\nfrontends = 0\n")
 
 
 def test_prometheus_text_labelled_and_merged() -> None:

@@ -183,6 +183,9 @@ class ClusterSection(_Section):
 
     replicas: PositiveInt = 1
     """Scheduler replicas, each in its own Ray actor process owning one device. 1: one process."""
+    frontends: PositiveInt = 1
+    """Frontend processes (with `replicas` > 1): each parses, tokenizes, routes and streams the
+    requests Serve's proxy hands it. One frontend tops out near one core of streamed items."""
     address: str | None = None
     """A Ray cluster to join ("auto", "ray://host:10001"); None starts a local one on 127.0.0.1."""
     device: Literal["auto", "cpu", "cuda", "mlx"] = "auto"

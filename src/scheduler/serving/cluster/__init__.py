@@ -13,6 +13,9 @@ if TYPE_CHECKING:
 
     from scheduler.config import SchedulerConfig
 
+REPLICAS = "SchedulerReplica"
+FRONTENDS = "Frontend"
+"""The Serve deployments' names: each deployment's router is found by them (`routing.newest_router`)."""
 GRPC_ENV = "RAY_SERVE_USE_GRPC_BY_DEFAULT"
 """Serve's switch for gRPC between its proxy and the replicas; a local Ray starts with it on."""
 

@@ -1,5 +1,6 @@
-"""Building and running the Serve application: N `SchedulerReplica`s behind our router, and one
-`Frontend` that takes HTTP on one port. `mlx-scheduler serve --replicas N` calls `run`."""
+"""Building and running the Serve application: N `SchedulerReplica`s behind our router, and
+`[cluster] frontends` `Frontend`s behind Serve's proxy on one port. `mlx-scheduler serve
+--replicas N` calls `run`."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from scheduler.serving.cluster import GRPC_ENV
+from scheduler.serving.cluster import FRONTENDS, GRPC_ENV, REPLICAS
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -63,14 +65,20 @@ def build(config: SchedulerConfig, replicas: int, model_name: str | None = None,
         request_routing_stats_period_s=c.stats_period_s,
         request_routing_stats_timeout_s=max(c.stats_period_s, 1.0),
     )
+    # The proxy picks a frontend by its own count of their requests (it is their only router);
+    # our router also lets the driver name each frontend (`each_frontend`).
+    frontends = RequestRouterConfig(
+        request_router_class=SchedulerRouter,
+        request_router_kwargs={"policy": "power-of-two", "probe_deadline_s": c.probe_deadline_s},
+    )
     backend = serve.deployment(SchedulerReplica).options(
-        name="SchedulerReplica", num_replicas=replicas, max_ongoing_requests=c.max_ongoing_requests,
+        name=REPLICAS, num_replicas=replicas, max_ongoing_requests=c.max_ongoing_requests,
         ray_actor_options=actor_options(c, device), request_router_config=router,
         health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
     ).bind(config)
     frontend = serve.deployment(Frontend).options(
-        name="Frontend", num_replicas=1, max_ongoing_requests=c.max_ongoing_requests * replicas,
-        ray_actor_options={"num_cpus": 0},
+        name=FRONTENDS, num_replicas=c.frontends, max_ongoing_requests=c.max_ongoing_requests * replicas,
+        ray_actor_options={"num_cpus": 0}, request_router_config=frontends,
     )
     return frontend.bind(backend, config, model_name)
 
@@ -81,8 +89,37 @@ def deploy(config: SchedulerConfig, replicas: int, model_name: str | None = None
     from ray import serve
 
     handle = serve.run(build(config, replicas, model_name, device), name=APP_NAME, route_prefix="/")
-    handle.ready.remote().result(timeout_s=timeout)
+    deadline = time.monotonic() + timeout
+    for frontend in frontend_ids(handle, config.cluster.frontends, timeout):
+        handle.ready.remote(target=frontend).result(timeout_s=max(1.0, deadline - time.monotonic()))
     return handle
+
+
+def frontend_ids(handle: Any, count: int, timeout: float) -> list[str]:
+    """The ids of the application's frontends, once this process's router for them knows
+    `count` (Serve tells a new router its replicas soon after its first call), or at `timeout`
+    those it knows."""
+    from scheduler.serving.cluster.routing import newest_router
+
+    deadline = time.monotonic() + timeout
+    handle.ready.remote().result(timeout_s=timeout)
+    while True:
+        router = newest_router(FRONTENDS)
+        ids: list[str] = router.live() if router else []
+        if len(ids) >= count or time.monotonic() > deadline:
+            return ids
+        time.sleep(0.05)
+
+
+def drain(handle: Any, frontends: int, timeout: float) -> int:
+    """503 from every frontend for new requests, then up to `timeout` for those in flight: how
+    many were still running when it gave up. Each frontend is told by name, one at a time."""
+    deadline = time.monotonic() + timeout
+    ids = frontend_ids(handle, frontends, min(timeout, 10.0))
+    for frontend in ids:
+        handle.close.remote(target=frontend).result(timeout_s=10)
+    return sum(handle.drain.remote(max(0.0, deadline - time.monotonic()), target=frontend)
+               .result(timeout_s=max(0.0, deadline - time.monotonic()) + 10) for frontend in ids)
 
 
 def start_ray(config: SchedulerConfig, replicas: int, *, log_to_driver: bool = True) -> None:
@@ -122,7 +159,7 @@ def run(config: SchedulerConfig, replicas: int, host: str, port: int, model_name
         handle = deploy(config, replicas, model_name, device)
         log.info("cluster_serving", replicas=replicas, device=device, url=f"http://{host}:{port}")
         stop.wait()
-        left = handle.drain.remote(shutdown_timeout).result(timeout_s=shutdown_timeout + 10)
+        left = drain(handle, config.cluster.frontends, shutdown_timeout)
         log.info("cluster_drained", unfinished=left)
     finally:
         for s, h in previous.items():

@@ -18,7 +18,7 @@ from scheduler import errors
 from scheduler.admission.kvplan import prompt_keys
 from scheduler.request import chat_template_ids
 from scheduler.serving.cluster import grpc_by_default
-from scheduler.serving.cluster.replica import Job
+from scheduler.serving.cluster.replica import Job, replica_id
 from scheduler.serving.cluster.reports import ReplicaReports
 from scheduler.serving.http import anthropic, responses_api
 from scheduler.serving.http import requests as rq
@@ -130,11 +130,14 @@ class ClusterEventStream(EventStream):
 
 
 class Frontend:
-    """The ingress deployment (one replica): `__call__` takes every HTTP request."""
+    """The ingress deployment (`[cluster] frontends` replicas): `__call__` takes the HTTP requests
+    Serve's proxy hands this one. The methods besides take `target`, this frontend's id, by which
+    `cluster.app` reaches every frontend through our router."""
 
     def __init__(self, backend: DeploymentHandle, config: SchedulerConfig, model_name: str | None) -> None:
         self._backend = backend
-        self._reports = ReplicaReports(backend)
+        self._id = replica_id()
+        self._reports = ReplicaReports(backend, self._id)
         # A handle's options travel with it from the process that built the application: the
         # replicas' streams go by value over gRPC where this process's Serve runs gRPC
         # (`cluster.app.start_ray` turns it on), as its own default handles would.
@@ -172,17 +175,22 @@ class Frontend:
         self._prompts = FrontendPrompts(self._codec, self._context)
         self._model_name = model_name or str(info["name"])
 
-    async def ready(self) -> bool:
-        """Wait until requests are served (`cluster.app.deploy` waits on it)."""
+    async def ready(self, target: str | None = None) -> str:
+        """Wait until requests are served (`cluster.app.deploy` waits on it): this frontend's id."""
         await asyncio.shield(self._ready)
-        return True
+        return self._id
 
     def check_health(self) -> None:
         """Serve's health check: a frontend that failed to start is restarted."""
         if self._ready.done() and self._ready.exception() is not None:
             raise RuntimeError(f"the frontend failed to start: {self._ready.exception()!r}")
 
-    async def drain(self, timeout: float) -> int:
+    async def close(self, target: str | None = None) -> int:
+        """503 for new requests from now: how many are in flight."""
+        self._closing = True
+        return self._inflight
+
+    async def drain(self, timeout: float, target: str | None = None) -> int:
         """503 for new requests from now; wait up to `timeout` for those in flight. Returns how
         many were still running when it gave up."""
         self._closing = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("scheduler.cluster")
 REPORTED_KEYS = 512  # block keys a replica reports per stats period: the newest it served
+REPORTED_SESSIONS = 512  # and sessions: routers learn the owners of sessions other frontends routed
 
 
 class Job(msgspec.Struct, frozen=True):
@@ -59,6 +61,7 @@ class SchedulerReplica:
         self._stop = asyncio.Event()
         self._failure: BaseException | None = None
         self._served: OrderedDict[int, None] = OrderedDict()
+        self._sessions: OrderedDict[str, float] = OrderedDict()  # the wall-clock time of each one's last turn
         self._open = 0  # open `generate` streams
         self._sending = 0  # of those, the ones past their first chunk: they share `stream_messages_per_s`
         self._owner = asyncio.get_running_loop().create_task(self._own())
@@ -105,7 +108,7 @@ class SchedulerReplica:
                 sent, shown = None, False
                 async for chunk in stream:
                     if not sending:  # a request still queued sends nothing: it takes no budget
-                        self._remember(job.keys)
+                        self._remember(job)
                         self._sending, sending = self._sending + 1, True
                     chunks = [chunk, *stream.ready()]
                     # Until some text has gone (TTFT), and at the end, nothing waits.
@@ -121,12 +124,17 @@ class SchedulerReplica:
             if sending:
                 self._sending -= 1
 
-    def _remember(self, keys: tuple[int, ...]) -> None:
-        for key in keys:
+    def _remember(self, job: Job) -> None:
+        for key in job.keys:
             self._served[key] = None
             self._served.move_to_end(key)
         while len(self._served) > REPORTED_KEYS:
             self._served.popitem(last=False)
+        if (session := job.request.session) is not None:
+            self._sessions[session] = time.time()
+            self._sessions.move_to_end(session)
+            while len(self._sessions) > REPORTED_SESSIONS:
+                self._sessions.popitem(last=False)
 
     async def replica_stats(self, target: str | None = None) -> dict[str, Any]:
         return {"replica": self._id, "pid": os.getpid(),
@@ -144,4 +152,4 @@ class SchedulerReplica:
         cfg = self._config
         return {"blocks": s.blocks_total,
                 "capacity": cfg.scheduler.max_queue + cfg.worker.max_batch,
-                "keys": list(self._served)}
+                "keys": list(self._served), "sessions": dict(self._sessions)}

@@ -10,8 +10,9 @@ import msgspec
 import structlog
 from starlette.responses import Response
 
+from scheduler.serving.cluster import REPLICAS
 from scheduler.serving.cluster.prom import merge
-from scheduler.serving.cluster.routing import ROUTERS
+from scheduler.serving.cluster.routing import newest_router
 from scheduler.serving.http.app import PROMETHEUS
 
 if TYPE_CHECKING:
@@ -25,15 +26,21 @@ seconds, and a dying replica held /health for 10 s."""
 
 
 class ReplicaReports:
-    def __init__(self, backend: DeploymentHandle) -> None:
+    def __init__(self, backend: DeploymentHandle, frontend: str) -> None:
         self._backend = backend
+        self._frontend = frontend
+
+    @staticmethod
+    def _router() -> Any:
+        return newest_router(REPLICAS)
 
     async def fan_out(self, method: str) -> tuple[list[Any], list[str]]:
         """`method` of every live replica, each reached by naming it to our router, and the
         replicas that did not answer within `FAN_OUT_TIMEOUT_S`. One at a time: Serve gives calls
         made inside one request the same internal id, and two of them pending at once leave one
         unrouted."""
-        ids = ROUTERS[-1].live() if ROUTERS else []
+        router = self._router()
+        ids = router.live() if router else []
         out: list[Any] = []
         unreachable: list[str] = []
         for i in ids:
@@ -48,9 +55,10 @@ class ReplicaReports:
     async def health(self, model_name: str) -> Response:
         answers, unreachable = await self.fan_out("replica_stats")
         replicas = [r for r in answers if isinstance(r, dict)]
-        router = ROUTERS[-1] if ROUTERS else None
+        router = self._router()
+        # With several frontends, the routing counts are those of the one that answers.
         body = {"status": "ok" if replicas else "starting", "model": model_name,
-                "replicas": replicas, "unreachable": unreachable,
+                "replicas": replicas, "unreachable": unreachable, "frontend": self._frontend,
                 "routing": dict(router.reasons) if router else {},
                 "in_flight": dict(router.inflight) if router else {}}
         return Response(msgspec.json.encode(body), 200 if replicas else 503,

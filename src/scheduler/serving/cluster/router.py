@@ -40,6 +40,7 @@ class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped he
         self.reported: dict[str, dict[str, Any]] = {}
         self.rng = random.Random()
         self.load_only = kwargs.get("policy") == "power-of-two"
+        self.deployment = str(self._deployment_id.name)
         # Serve pickles this module by value: the registry lives in `routing`, shared by import.
         routing.ROUTERS.append(self)
 
@@ -73,9 +74,10 @@ class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped he
             self.reported[rid] = stats
             self.affinity.capacity(rid, int(stats.get("blocks", 0)))
             self.affinity.holds(rid, stats.get("keys") or ())
-        # The load is this router's own count: the frontend is the replicas' only router, so the
-        # count is exact and current. A replica's report lags by up to `stats_period_s`; taken as
-        # a floor, one made mid-burst steered the whole next burst to the other replica. The
+            self.affinity.learn_sessions(rid, stats.get("sessions") or {})
+        # The load is this router's own count: exact and current for what it sends (with one
+        # frontend, everything). A replica's report lags by up to `stats_period_s`; taken as a
+        # floor, one made mid-burst steered the whole next burst to the other replica. The
         # choices not yet routed count too: in a burst Serve makes many before it reports one.
         return Load(rid, self.inflight.get(rid, 0) + self._chosen(rid), int(stats.get("capacity", 1 << 30)))
 

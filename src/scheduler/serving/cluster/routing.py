@@ -9,19 +9,25 @@ load guard says that replica is too busy; else power-of-two choices on load."""
 from __future__ import annotations
 
 import random
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Iterable, Mapping, Sequence
 
     from scheduler.config import ClusterSection
 
-# The routers of this process (`router.SchedulerRouter`): the frontend reads the live replica
-# ids from the newest for its health and metrics fan-out.
+# The routers of this process (`router.SchedulerRouter`), one per deployment it calls: the
+# frontend reads the live replicas from them for its fan-outs, the driver the live frontends.
 ROUTERS: list[Any] = []
+
+
+def newest_router(deployment: str) -> Any:
+    """This process's newest router for `deployment`, or None before its first call."""
+    return next((r for r in reversed(ROUTERS) if r.deployment == deployment), None)
 Reason = Literal["target", "session", "prefix", "guard", "p2c", "only"]
 
 
@@ -64,17 +70,20 @@ class Thresholds(msgspec.Struct, frozen=True):
 
 class Affinity:
     """What each replica holds, as far as this router knows: the replica each session last went
-    to, and per replica an LRU of block keys it served (bounded, as its pool evicts)."""
+    to (and when, on the wall clock: with several frontends, the newest turn of a session, routed
+    here or reported by its replica, names its owner), and per replica an LRU of block keys it
+    served (bounded, as its pool evicts)."""
 
     def __init__(self, remembered_blocks: int = 65536, sessions: int = 65536) -> None:
         self._cap = remembered_blocks
         self._session_cap = sessions
-        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._keys: dict[str, OrderedDict[int, None]] = {}
         self._caps: dict[str, int] = {}
 
     def owner(self, session: str) -> str | None:
-        return self._sessions.get(session)
+        held = self._sessions.get(session)
+        return held[0] if held else None
 
     def matched(self, replica: str, keys: Sequence[int]) -> int:
         """How many of `keys`, from the first, `replica` holds."""
@@ -88,14 +97,26 @@ class Affinity:
             n += 1
         return n
 
-    def served(self, replica: str, route: Route) -> None:
+    def served(self, replica: str, route: Route, when: float | None = None) -> None:
         """`replica` took this request: it now holds its session and its prompt's blocks."""
         if route.session is not None:
-            self._sessions[route.session] = replica
-            self._sessions.move_to_end(route.session)
-            while len(self._sessions) > self._session_cap:
-                self._sessions.popitem(last=False)
+            self._own(route.session, replica, time.time() if when is None else when)
         self.holds(replica, route.keys)
+
+    def learn_sessions(self, replica: str, sessions: Mapping[str, float]) -> None:
+        """`replica` reports the sessions it served lately, each with the wall-clock time of its
+        last turn there: a turn newer than this router knows of (another frontend routed it)
+        moves the session."""
+        for session, when in sessions.items():
+            held = self._sessions.get(session)
+            if held is None or held[1] < when:
+                self._own(session, replica, when)
+
+    def _own(self, session: str, replica: str, when: float) -> None:
+        self._sessions[session] = (replica, when)
+        self._sessions.move_to_end(session)
+        while len(self._sessions) > self._session_cap:
+            self._sessions.popitem(last=False)
 
     def holds(self, replica: str, keys: Iterable[int]) -> None:
         held = self._keys.setdefault(replica, OrderedDict())
@@ -115,7 +136,7 @@ class Affinity:
         """A replica died: its sessions and blocks are gone with it."""
         self._keys.pop(replica, None)
         self._caps.pop(replica, None)
-        for session in [s for s, r in self._sessions.items() if r == replica]:
+        for session in [s for s, (r, _) in self._sessions.items() if r == replica]:
             del self._sessions[session]
 
 
