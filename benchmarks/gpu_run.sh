@@ -33,7 +33,8 @@
 #               (Ray's wheels are ~117 MB, over one call's carry): two more calls, see its header.
 #   ray-path    benchmarks/peers.py at $RAY_CONC (1 64 256): the in-process scheduler, `serve` and one
 #               Ray Serve replica (`ray_one.py`) side by side on one GPU, the Ray path's cost
-#               (qwen2.5-0.5b only; RAY_BACKENDS adds variants such as ray:stream_interval_s=0)
+#               (qwen2.5-0.5b only; RAY_BACKENDS adds variants such as ray:stream_interval_s=0 or
+#               ray:frontends=2)
 #   cluster2    benchmarks/cluster.py on two GPUs, one replica each (8 CPUs each), $CLUSTER_PARTS
 #               (default b): (a) prefix routing, ours against power-of-two, 512-token prefixes
 #               in 1024-block pools; (b) tokens/s on 1 and 2 replicas, 256 requests x 64 tokens
@@ -42,7 +43,8 @@
 #               benchmarks/stage_smollm2.sh); both need Ray staged (the cluster stage). $CLUSTER_ARGS
 #               adds options (e.g. "--py-spy PATH": each process's stacks in (b)'s second round;
 #               "--connections 100 0": the client's cap on open streams, both interleaved;
-#               "--clients 4": each round sent by 4 client processes, as one caps at ~2,000 tok/s)
+#               "--clients 4": each round sent by 4 client processes, as one caps at ~2,000 tok/s;
+#               "--frontends 1 2": each deployment with one frontend process, then two)
 #   stall       benchmarks/stall.py: the closed loop of prompts of 64-512 tokens at $STALL_CONC streams
 #               (32 64), 48 tokens each, $STALL_S (10) s a run, $REPEAT (2) rounds, for each of
 #               $STALL_VARIANTS (default "0 auto"; flags such as 0:queued, 0:mlxpad: stall.py's header);
