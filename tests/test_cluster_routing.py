@@ -4,6 +4,8 @@ Prometheus text. No Ray: these run everywhere."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -232,3 +234,21 @@ async def test_chunks_that_came_in_one_item_are_ready_at_once_and_the_last_final
         with pytest.raises(StopAsyncIteration):
             await stream.__anext__()
     assert not gen.cancelled and gen.items == []  # it ended with its final chunk
+
+
+def test_the_router_loads_neither_the_scheduler_nor_mlx() -> None:
+    """Serve's proxy imports our router to pick a frontend: loading MLX there opened a CUDA
+    context on every GPU of the host in the proxy's process."""
+    pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
+    code = ("import sys; import scheduler.serving.cluster.router as r; "
+            "from scheduler.serving.cluster.replica import Job; from scheduler.request import Request; "
+            "job = Job(Request(prompt=[1, 2], session='s'), (7, 8)); "
+            "pending = type('P', (), {'args': (job,), 'kwargs': {}})(); route = r._route(pending); "
+            "print(route.session, route.keys)")
+    light = subprocess.run([sys.executable, "-c", "import sys; import scheduler.serving.cluster.router; "
+                            "print(sorted(m for m in ('mlx', 'mlx.core', 'workers', 'scheduler.api') if m in sys.modules))"],
+                           capture_output=True, text=True, timeout=120, check=True)
+    assert light.stdout.strip() == "[]", light.stdout
+    # ...and it still reads a job's session and block keys, without its class.
+    read = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert read.stdout.split() == ["s", "(7,", "8)"], read.stdout

@@ -12,7 +12,6 @@ import structlog
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from scheduler.serving.cluster import routing
-from scheduler.serving.cluster.replica import Job
 from scheduler.serving.cluster.routing import Affinity, Load, Route, Thresholds, choose
 
 if TYPE_CHECKING:
@@ -120,7 +119,10 @@ def _route(pending: PendingRequest | None) -> Route:
     if pending is None:
         return Route()
     target = pending.kwargs.get("target")
+    # A `replica.Job`, read by its fields rather than its class: importing `replica` loads the
+    # scheduler and MLX, and Serve's proxy imports this module to pick a frontend.
     job = pending.args[0] if pending.args else None
-    if isinstance(job, Job):
-        return Route(job.request.session, job.keys, target)
+    keys, request = getattr(job, "keys", None), getattr(job, "request", None)
+    if isinstance(keys, tuple) and request is not None:
+        return Route(getattr(request, "session", None), keys, target)
     return Route(target=target)
