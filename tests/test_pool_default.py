@@ -68,7 +68,7 @@ def test_the_cpu_backend_falls_back_to_the_machines_ram() -> None:
 @pytest.mark.anyio
 async def test_mlx_buffer_cache_is_bounded_by_the_model_budget(model_cache: Path) -> None:
     from scheduler import Scheduler
-    from workers.factory import BUFFER_CACHE_SHARE, MIN_BUFFER_CACHE
+    from workers.factory import BUFFER_CACHE_SHARE, MIN_BUFFER_CACHE, mlx_cache_cap
 
     config = SchedulerConfig.from_toml(
         f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"\n[kvpool]\nmemory = "3GiB"\n'
@@ -79,8 +79,14 @@ async def test_mlx_buffer_cache_is_bounded_by_the_model_budget(model_cache: Path
         async with Scheduler(config) as sched:
             stats = sched.stats()
             budget = stats.weights_bytes + stats.kv_budget_bytes
-            # set_cache_limit answers the limit it replaces: the one the scheduler set.
-            assert mx.set_cache_limit(before) == max(MIN_BUFFER_CACHE, int(budget * BUFFER_CACHE_SHARE))
+            # set_cache_limit answers the limit it replaces: the one the scheduler set, a share
+            # of the budget unless MLX's own cap is lower (its CPU backend's: 32 MiB).
+            share = max(MIN_BUFFER_CACHE, int(budget * BUFFER_CACHE_SHARE))
+            cap = mlx_cache_cap()
+            assert cap is not None
+            assert mx.set_cache_limit(before) == min(cap, share)
             assert 2.9 * GiB < budget <= 3 * GiB
+            if mx.default_device() == mx.cpu:
+                assert cap < share  # so the CPU keeps MLX's cap
     finally:
         mx.set_cache_limit(before)
