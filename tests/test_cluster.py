@@ -296,12 +296,13 @@ def test_a_call_for_a_replica_that_is_gone_neither_spins_nor_blocks_the_router(c
     # What a health fan-out meets when a replica dies between listing and asking: no rank
     # takes it. The router that runs in this process (the handle's side) must back off and
     # keep routing everything else, and drop the call once its caller gives up.
-    from scheduler.serving.cluster.routing import ROUTERS
+    from scheduler.serving.cluster import REPLICAS
+    from scheduler.serving.cluster.routing import newest_router
 
-    handle = serve.get_deployment_handle("SchedulerReplica", APP_NAME)
+    handle = serve.get_deployment_handle(REPLICAS, APP_NAME)
     live = [r["replica"] for r in health(cluster)["replicas"]]
     assert handle.replica_stats.remote(target=live[0]).result(timeout_s=30)["replica"] == live[0]
-    router = ROUTERS[-1]
+    router = newest_router(REPLICAS)
     gone = handle.replica_stats.remote(target="no-such-replica")
     with pytest.raises(TimeoutError):
         gone.result(timeout_s=1.5)

@@ -9,7 +9,7 @@ import anyio
 import structlog
 
 from scheduler.types import SchedulerStats
-from workers.factory import BUFFER_CACHE_SHARE, Loaded, bound_buffer_cache, mlx_engine_factory
+from workers.factory import BUFFER_CACHE_SHARE, Loaded, bound_buffer_cache, mlx_cache_cap, mlx_engine_factory
 
 if TYPE_CHECKING:
     from kvpool.pool import Pool
@@ -73,7 +73,8 @@ def bound_cache(loaded: Loaded, blocks: int, block_tokens: int) -> None:
     """MLX's buffer cache within a share of what the model was given (weights and KV books)."""
     budget = loaded.info.weights_bytes + blocks * block_tokens * loaded.info.kv_bytes_per_token
     limit = bound_buffer_cache(budget)
-    log.info("mlx_cache_limit", bytes=limit, share=BUFFER_CACHE_SHARE, of_bytes=budget)
+    log.info("mlx_cache_limit", bytes=limit, share=BUFFER_CACHE_SHARE, of_bytes=budget,
+             mlx_cap=mlx_cache_cap())
 
 
 def build_stats(a: Admission, p: Pool, loaded: Loaded | None) -> SchedulerStats:

@@ -66,7 +66,7 @@ def build(config: SchedulerConfig, replicas: int, model_name: str | None = None,
         request_routing_stats_timeout_s=max(c.stats_period_s, 1.0),
     )
     # The proxy picks a frontend by its own count of their requests (it is their only router);
-    # our router also lets the driver name each frontend (`each_frontend`).
+    # our router also lets the driver name each frontend (`frontend_ids`, `drain`).
     frontends = RequestRouterConfig(
         request_router_class=SchedulerRouter,
         request_router_kwargs={"policy": "power-of-two", "probe_deadline_s": c.probe_deadline_s},

@@ -28,6 +28,8 @@ ROUTERS: list[Any] = []
 def newest_router(deployment: str) -> Any:
     """This process's newest router for `deployment`, or None before its first call."""
     return next((r for r in reversed(ROUTERS) if r.deployment == deployment), None)
+
+
 Reason = Literal["target", "session", "prefix", "guard", "p2c", "only"]
 
 
