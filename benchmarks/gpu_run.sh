@@ -44,7 +44,9 @@
 #               adds options (e.g. "--py-spy PATH": each process's stacks in (b)'s second round;
 #               "--connections 100 0": the client's cap on open streams, both interleaved;
 #               "--clients 4": each round sent by 4 client processes, as one caps at ~2,000 tok/s;
-#               "--frontends 1 2": each deployment with one frontend process, then two)
+#               "--frontends 1 2": each deployment with one frontend process, then two);
+#               TP_MAX_TOKENS and TP_REPEAT lengthen (b)'s rounds (64 tokens: a round of 2-4 s, too
+#               short to pin the two-replica ratio down within 10%)
 #   stall       benchmarks/stall.py: the closed loop of prompts of 64-512 tokens at $STALL_CONC streams
 #               (32 64), 48 tokens each, $STALL_S (10) s a run, $REPEAT (2) rounds, for each of
 #               $STALL_VARIANTS (default "0 auto"; flags such as 0:queued, 0:mlxpad: stall.py's header);
@@ -149,7 +151,8 @@ for s in "${stages[@]}"; do
       cluster2)
         timeout "$limit" python3 -P benchmarks/cluster.py --parts ${CLUSTER_PARTS:-b} --model "$(spec "$m")" \
           --device cuda --gpus-per-replica 1 --cpus-per-replica 8 --max-batch 128 --tp-requests ${TP_REQUESTS:-256} \
-          --tp-prompt-tokens 128 --tp-max-tokens 64 --tp-memory 16GiB --pool-blocks 1024 --prefix-tokens 512 \
+          --tp-prompt-tokens 128 --tp-max-tokens ${TP_MAX_TOKENS:-64} --tp-repeat ${TP_REPEAT:-3} --tp-memory 16GiB \
+          --pool-blocks 1024 --prefix-tokens 512 \
           --max-tokens 8 --requests 320 --concurrency 16 --ratios ${RATIOS:-1 2} \
           --kill-requests 512 --kill-concurrency 128 --kill-after 4 ${CLUSTER_ARGS:-} --out "$out/cluster2-$m.json" ;;
       *) echo "unknown stage $s" ;;
