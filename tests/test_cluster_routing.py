@@ -246,7 +246,7 @@ def test_the_router_loads_neither_the_scheduler_nor_mlx() -> None:
             "pending = type('P', (), {'args': (job,), 'kwargs': {}})(); route = r._route(pending); "
             "print(route.session, route.keys)")
     light = subprocess.run([sys.executable, "-c", "import sys; import scheduler.serving.cluster.router; "
-                            "print(sorted(m for m in ('mlx', 'mlx.core', 'workers', 'scheduler.api') if m in sys.modules))"],
+                            "print(sorted(m for m in ('mlx', 'mlx.core', 'workers.batching', 'scheduler.api') if m in sys.modules))"],
                            capture_output=True, text=True, timeout=120, check=True)
     assert light.stdout.strip() == "[]", light.stdout
     # ...and it still reads a job's session and block keys, without its class.

@@ -5,6 +5,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# OpenBLAS binds to MLX only if it is loaded before MLX: `import scheduler` does it first
+# (`workers` loads no MLX itself).
+import workers  # noqa: F401
+
 if TYPE_CHECKING:
     from scheduler.api import Scheduler
     from scheduler.config import SchedulerConfig
@@ -15,7 +19,7 @@ if TYPE_CHECKING:
 
 # The public names load on first use: a process that imports one light module of this package
 # (Ray Serve's proxy loads our router to pick a frontend) does not load MLX, which on CUDA
-# opens a context on every GPU.
+# opens a context of about 0.5 GiB on every GPU.
 _WHERE = {
     "Chunk": "types", "Completion": "types", "SchedulerStats": "types", "Timings": "types",
     "EngineClient": "engine", "Request": "request", "SamplingParams": "params",
