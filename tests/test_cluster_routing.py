@@ -170,6 +170,26 @@ def test_replicas_without_the_extra_say_what_to_install(monkeypatch: pytest.Monk
         build_parser().parse_args(["serve", "--replicas", "0"])
 
 
+def test_serve_frontends_from_the_command_line_or_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    import structlog
+
+    from scheduler.cli import serve as cli
+    from scheduler.cli.main import build_parser
+
+    got: list[SchedulerConfig] = []
+    monkeypatch.setattr(cli, "serve_replicas", lambda args, config, replicas: got.append(config))
+    monkeypatch.setattr(cli, "serve", lambda args, config: got.append(config))
+    cli.run_serve(build_parser().parse_args(["serve", "--replicas", "2", "--frontends", "3"]), SchedulerConfig())
+    cli.run_serve(build_parser().parse_args(["serve", "--replicas", "2"]),
+                  SchedulerConfig.from_toml(b"[cluster]\nfrontends = 2\n"))
+    assert [c.cluster.frontends for c in got] == [3, 2]
+    with structlog.testing.capture_logs() as logs:  # one process has no frontends to run: said
+        cli.run_serve(build_parser().parse_args(["serve", "--frontends", "2"]), SchedulerConfig())
+    assert [e["event"] for e in logs] == ["frontends_unused"] and logs[0]["frontends"] == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--frontends", "0"])
+
+
 class FakeGenerator:
     """A replica's `generate` stream as Serve hands it to the frontend (for RemoteStream)."""
 

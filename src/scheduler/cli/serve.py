@@ -50,6 +50,9 @@ def add_serve_command(
     p.add_argument("--replicas", type=positive_int, metavar="N",
                    help="N scheduler replicas on Ray Serve behind this port (needs the [cluster] extra; "
                    "default: [cluster] replicas, 1: this process)")
+    p.add_argument("--frontends", type=positive_int, metavar="N",
+                   help="with --replicas: N frontend processes behind Ray Serve's proxy (default: "
+                        "[cluster] frontends, 1)")
     return p
 
 
@@ -63,8 +66,15 @@ def run_serve(args: argparse.Namespace, config: SchedulerConfig) -> None:
             raise ConfigError("--api-key: the key is empty")
         config = msgspec.structs.replace(config, server=msgspec.structs.replace(
             config.server, api_keys=[*config.server.api_keys, key]))
+    frontends = getattr(args, "frontends", None)
+    if frontends is not None:
+        config = msgspec.structs.replace(config, cluster=msgspec.structs.replace(
+            config.cluster, frontends=frontends))
     replicas = getattr(args, "replicas", None) or config.cluster.replicas
     if replicas > 1:
         serve_replicas(args, config, replicas)
     else:
+        if config.cluster.frontends > 1:  # one process: it is its own frontend
+            log.warning("frontends_unused", frontends=config.cluster.frontends,
+                        reason="frontends apply to --replicas N with N > 1; this is one process")
         serve(args, config)
