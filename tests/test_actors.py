@@ -16,11 +16,12 @@ from scheduler.errors import InvalidRequest, ModelLoadError, QueueFull, Schedule
 from tests.fakes import EOS, FakeEngine, fake_factory, fake_token
 from workers import worker as worker_module
 from workers.messages import Admit, SamplingSpec, StepOutput
-from workers.worker import GPUWorker
+from workers.worker import GPUWorker, WorkerStartError
 
 if TYPE_CHECKING:
     from scheduler.types import Chunk
     from workers.batching.contract import StepResult
+    from workers.factory import Loaded
 
 pytestmark = pytest.mark.anyio
 
@@ -393,6 +394,32 @@ async def test_the_worker_goes_on_when_the_loop_never_releases_it(
             tg.cancel_scope.cancel()
     assert [t for o in outputs for t in o.tokens] == expected([1, 2], 3)
     assert len(starts) == 3 and starts[1] - starts[0] >= 0.2  # it waited after the first token
+
+
+async def test_the_worker_thread_ends_with_its_exit_call_after_the_engine_closes() -> None:
+    """MLX asks every thread that used it to clear its streams at its end: the worker makes that
+    call on its own thread, last, also when the engine never started."""
+    calls: list[tuple[str, bool | None]] = []
+    engine = FakeEngine()
+
+    def at_exit() -> None:
+        calls.append((threading.current_thread().name, engine.closed))
+
+    worker = GPUWorker(fake_factory(engine), lambda e: None, at_thread_exit=at_exit)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(worker.run)
+            tg.cancel_scope.cancel()
+    assert calls == [("mlx-worker", True)]
+
+    def broken() -> tuple[FakeEngine, Loaded]:
+        raise RuntimeError("no model")
+
+    failing = GPUWorker(broken, lambda e: None,
+                        at_thread_exit=lambda: calls.append((threading.current_thread().name, None)))
+    with anyio.fail_after(10), pytest.raises(WorkerStartError, match="no model"):
+        await failing.run()
+    assert calls[1:] == [("mlx-worker", None)]
 
 
 async def test_a_step_that_fails_to_apply_fails_the_actor_and_no_caller_waits(

@@ -42,6 +42,7 @@ from scheduler.request import (
 from scheduler.streaming.chunks import ChunkOut, SharedSender, SiblingReceiver, chunk_channel
 from scheduler.streaming.gather import Gather
 from scheduler.streaming.stream import Receiver, RequestStream, prompt_tokens
+from workers.factory import release_mlx_thread
 from workers.worker import EngineFactory, GPUWorker, WorkerStartError
 
 if TYPE_CHECKING:
@@ -102,7 +103,8 @@ class Scheduler:
         tg = await stack.enter_async_context(anyio.create_task_group())
         try:
             worker: GPUWorker[Loaded] = GPUWorker(
-                self._factory, self._on_worker_event, restart=c.worker.on_failure == "restart"
+                self._factory, self._on_worker_event, restart=c.worker.on_failure == "restart",
+                at_thread_exit=release_mlx_thread,
             )
             try:
                 loaded: Loaded = await tg.start(self._run_worker, worker)

@@ -168,6 +168,16 @@ def mlx_cache_cap() -> int | None:
     return _mlx_cap[0] if _mlx_cap else None
 
 
+def release_mlx_thread() -> None:
+    """The last call of a thread that used MLX, on that thread: its streams go while the
+    interpreter and the device runtime are still up. Left to thread-local destructors at exit,
+    MLX's teardown aborts the process now and then ("terminate called without an active
+    exception", rc -6, after a clean run); MLX's maintainers ask for `clear_streams` at the end
+    of every such thread. The thread can use MLX no more after it."""
+    mx.synchronize()
+    mx.clear_streams()
+
+
 def device_memory() -> int | None:
     """The memory a model may use on MLX's device, where the backend says: on Metal the
     recommended working set (what mlx-lm wires), on CUDA the device's total memory."""

@@ -65,8 +65,10 @@ class GPUWorker(Generic[InfoT]):
         *,
         restart: bool = True,
         join_timeout: float = 60.0,
+        at_thread_exit: Callable[[], object] | None = None,
     ) -> None:
         self._restart = restart
+        self._at_thread_exit = at_thread_exit
         self._join_timeout = join_timeout
         self._step = 0
         self._factory = factory
@@ -159,6 +161,16 @@ class GPUWorker(Generic[InfoT]):
         self._loop_caller(done)
 
     def _main(self) -> None:
+        try:
+            self._own_engine()
+        finally:
+            if self._at_thread_exit is not None:
+                try:
+                    self._at_thread_exit()
+                except Exception as exc:  # the thread ends either way: said, not raised
+                    log.warning("worker_thread_exit_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def _own_engine(self) -> None:
         try:
             engine, info = self._factory()
         except BaseException as exc:  # reported to run(), which raises it with its cause
