@@ -3,6 +3,7 @@ Prometheus text. No Ray: these run everywhere."""
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -137,6 +138,20 @@ def test_cluster_section_parses_and_rejects_bad_values() -> None:
         SchedulerConfig.from_toml(b"[cluster]\ndevice = 'tpu'\n")
     with pytest.raises(ConfigError, match="cluster.frontends"):
         SchedulerConfig.from_toml(b"[cluster]\nfrontends = 0\n")
+    with pytest.raises(ConfigError, match="cluster.frontends"):
+        SchedulerConfig.from_toml(b"[cluster]\nfrontends = 'many'\n")
+
+
+def test_auto_frontends_follow_the_replicas_where_the_host_has_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto" (the default): one frontend per replica, one per 8 cores at most, at least one."""
+    auto = SchedulerConfig().cluster
+    assert auto.frontends == "auto"
+    for cores, want in [(32, [1, 2, 3, 4, 4]), (16, [1, 2, 2, 2, 2]), (8, [1, 1, 1, 1, 1]),
+                        (2, [1, 1, 1, 1, 1]), (None, [1, 1, 1, 1, 1])]:
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        assert [auto.frontend_count(r) for r in (1, 2, 3, 4, 8)] == want, cores
+    explicit = SchedulerConfig.from_toml(b"[cluster]\nfrontends = 3\n").cluster
+    assert [explicit.frontend_count(r) for r in (1, 2)] == [3, 3]
 
 
 def test_prometheus_text_labelled_and_merged() -> None:
@@ -186,6 +201,9 @@ def test_serve_frontends_from_the_command_line_or_the_config(monkeypatch: pytest
     with structlog.testing.capture_logs() as logs:  # one process has no frontends to run: said
         cli.run_serve(build_parser().parse_args(["serve", "--frontends", "2"]), SchedulerConfig())
     assert [e["event"] for e in logs] == ["frontends_unused"] and logs[0]["frontends"] == 2
+    with structlog.testing.capture_logs() as logs:  # the default, "auto", asks for nothing
+        cli.run_serve(build_parser().parse_args(["serve"]), SchedulerConfig())
+    assert logs == [] and got[-1].cluster.frontends == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--frontends", "0"])
 

@@ -52,7 +52,7 @@ def add_serve_command(
                    "default: [cluster] replicas, 1: this process)")
     p.add_argument("--frontends", type=positive_int, metavar="N",
                    help="with --replicas: N frontend processes behind Ray Serve's proxy (default: "
-                        "[cluster] frontends, 1)")
+                        "[cluster] frontends, \"auto\": one per replica on hosts of 16 cores or more)")
     return p
 
 
@@ -74,7 +74,7 @@ def run_serve(args: argparse.Namespace, config: SchedulerConfig) -> None:
     if replicas > 1:
         serve_replicas(args, config, replicas)
     else:
-        if config.cluster.frontends > 1:  # one process: it is its own frontend
+        if config.cluster.frontends != "auto" and config.cluster.frontends > 1:  # one process: its own
             log.warning("frontends_unused", frontends=config.cluster.frontends,
                         reason="frontends apply to --replicas N with N > 1; this is one process")
         serve(args, config)

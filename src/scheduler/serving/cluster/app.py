@@ -77,8 +77,9 @@ def build(config: SchedulerConfig, replicas: int, model_name: str | None = None,
         health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
     ).bind(config)
     frontend = serve.deployment(Frontend).options(
-        name=FRONTENDS, num_replicas=c.frontends, max_ongoing_requests=c.max_ongoing_requests * replicas,
-        ray_actor_options={"num_cpus": 0}, request_router_config=frontends,
+        name=FRONTENDS, num_replicas=c.frontend_count(replicas),
+        max_ongoing_requests=c.max_ongoing_requests * replicas, ray_actor_options={"num_cpus": 0},
+        request_router_config=frontends,
     )
     return frontend.bind(backend, config, model_name)
 
@@ -90,7 +91,7 @@ def deploy(config: SchedulerConfig, replicas: int, model_name: str | None = None
 
     handle = serve.run(build(config, replicas, model_name, device), name=APP_NAME, route_prefix="/")
     deadline = time.monotonic() + timeout
-    for frontend in frontend_ids(handle, config.cluster.frontends, timeout):
+    for frontend in frontend_ids(handle, config.cluster.frontend_count(replicas), timeout):
         handle.ready.remote(target=frontend).result(timeout_s=max(1.0, deadline - time.monotonic()))
     return handle
 
@@ -157,9 +158,10 @@ def run(config: SchedulerConfig, replicas: int, host: str, port: int, model_name
         serve.start(http_options={"host": host, "port": port})
         device = pick_device(config.cluster)
         handle = deploy(config, replicas, model_name, device)
-        log.info("cluster_serving", replicas=replicas, device=device, url=f"http://{host}:{port}")
+        log.info("cluster_serving", replicas=replicas, frontends=config.cluster.frontend_count(replicas),
+                 device=device, url=f"http://{host}:{port}")
         stop.wait()
-        left = drain(handle, config.cluster.frontends, shutdown_timeout)
+        left = drain(handle, config.cluster.frontend_count(replicas), shutdown_timeout)
         log.info("cluster_drained", unfinished=left)
     finally:
         for s, h in previous.items():
