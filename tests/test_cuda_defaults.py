@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
 from structlog.testing import capture_logs
 
-from workers.cuda import CUDA_DEFAULTS, apply_cuda_defaults, cuda_defaults, graphs_wanted, on_cuda
+from workers.cuda import (
+    CUDA_DEFAULTS,
+    KERNELS,
+    apply_cuda_defaults,
+    cuda_defaults,
+    graphs_wanted,
+    kernel_dir,
+    on_cuda,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -33,13 +42,29 @@ def test_other_backends_are_left_alone() -> None:
     assert env == {}
 
 
+def test_compiled_kernels_go_to_our_cache_per_mlx_version(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLX's own place for the kernels it compiles is /tmp, emptied by a reboot or a new
+    container: ours is under the model cache, one directory per MLX version."""
+    assert kernel_dir(str(tmp_path)) == tmp_path / "mlx-kernels" / mx.__version__
+    monkeypatch.setenv("MLX_SCHEDULER_CACHE", str(tmp_path / "env"))
+    assert kernel_dir() == tmp_path / "env" / "mlx-kernels" / mx.__version__
+    env: dict[str, str] = {}
+    assert cuda_defaults(env, cuda=True, kernels=tmp_path / "k")[KERNELS] == str(tmp_path / "k")
+    assert env[KERNELS] == str(tmp_path / "k")
+    mine = {KERNELS: "/srv/kernels"}  # the user's place wins
+    assert KERNELS not in cuda_defaults(mine, cuda=True, kernels=tmp_path / "k")
+    assert mine[KERNELS] == "/srv/kernels"
+    assert cuda_defaults({}, cuda=False, kernels=tmp_path / "k") == {}
+
+
 def test_apply_on_this_machine_logs_what_it_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in CUDA_DEFAULTS:
+    for key in [*CUDA_DEFAULTS, KERNELS]:
         monkeypatch.delenv(key, raising=False)
     with capture_logs() as logs:
         applied = apply_cuda_defaults()
     if on_cuda():
-        assert applied == CUDA_DEFAULTS
+        assert applied == {**CUDA_DEFAULTS, KERNELS: str(kernel_dir())}
         assert [e["event"] for e in logs] == ["cuda_defaults_applied"]
     else:  # CI and Apple Silicon: nothing changes, nothing is logged
         assert applied == {} and logs == []

@@ -9,6 +9,7 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
 from workers.batching.quantfold import fold_decode_batch
+from workers.cuda import WARM_ROWS, WARM_TOKENS, is_quantized, warm_kernels
 from workers.loading.models import load_model, resolve_model
 
 if TYPE_CHECKING:
@@ -41,3 +42,38 @@ def test_a_folded_quantized_model_decodes_the_same_tokens(model_cache: Path) -> 
     folded = linear(x)
     linear.__class__ = type(linear).__mro__[1]  # back to the plain QuantizedLinear
     assert mx.array_equal(folded, linear(x)).item()
+
+
+class _Recording:
+    """A model that notes the shape and type of every input it runs."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.inputs: list[tuple[tuple[int, ...], mx.Dtype]] = []
+
+    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+        self.inputs.append((tuple(x.shape), x.dtype))
+        out: mx.array = self.model(x, cache=cache)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def test_warming_a_quantized_models_kernels_runs_every_shape_and_changes_nothing(model_cache: Path) -> None:
+    """On CUDA the factory runs this before the first request so that MLX compiles a quantized
+    model's kernels at load; here it runs on any backend, for its shapes and its side effects."""
+    model, _ = load_model(str(resolve_model("synthetic:tiny", model_cache)))
+    assert not is_quantized(model)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    assert is_quantized(model)
+    fold_decode_batch(model)
+    prompts = [[5, 9, 13, 2], [100, 3]]
+    before = _greedy(model, prompts, 8)
+    recording = _Recording(model)
+    assert warm_kernels(recording) > 0
+    assert recording.inputs == [((rows, tokens), dtype) for rows in WARM_ROWS for tokens in WARM_TOKENS
+                                for dtype in (mx.int32, mx.uint32)]
+    assert max(t for (_, t), _ in recording.inputs) >= 512 and max(r for (r, _), _ in recording.inputs) > 1
+    assert _greedy(model, prompts, 8) == before

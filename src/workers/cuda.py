@@ -17,16 +17,29 @@ length) almost every time, so nearly every chunk built a cuDNN graph first. Meas
 tokens/s with it off against 1,362 on, ITL p99 97 against 166 ms, TTFT p99 0.9 against 4.0 s.
 Without it MLX attends with its own kernels (the decode step's vector kernel, matmuls for
 prefill).
+
+MLX compiles some CUDA kernels at their first use (NVRTC): its 4-bit and 8-bit matmuls for each
+tile size, gathers, fused element-wise ops. It keeps them in `/tmp/mlx/<version>/ptx`, which a
+reboot or a fresh container empties. They are slow to build: on an H200 (2026-11-26, SmolLM2's
+Q4_1 GGUF, 256 requests at once) the first round took 45 s with every TTFT above 44 s, and over
+140 s with the quantized decode fold off, where the same round took 3.4 s once the kernels were
+on disk. The scheduler points `MLX_PTX_CACHE_DIR` into its own cache (one directory per MLX
+version), so the build is paid once per machine and cache, as the models are, and it builds a
+quantized model's kernels while the model loads (`warm_kernels`), before any request waits.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import structlog
+
+from workers.loading.cachedir import cache_root
 
 if TYPE_CHECKING:
     from collections.abc import MutableMapping
@@ -37,6 +50,14 @@ log = structlog.get_logger(__name__)
 CUDA_DEFAULTS: dict[str, str] = {"MLX_USE_CUDA_GRAPHS": "0", "MLX_CUDA_USE_CUDNN_SDPA": "0"}
 """What "auto" sets for an unquantized model (a quantized one keeps MLX's CUDA graphs)."""
 GRAPHS = "MLX_USE_CUDA_GRAPHS"
+KERNELS = "MLX_PTX_CACHE_DIR"
+
+
+def kernel_dir(cache_dir: str | None = None) -> Path:
+    """Where MLX keeps the CUDA kernels it compiles: under the cache root, per MLX version (MLX
+    itself adds no version to a directory it is given)."""
+    version: str = getattr(mx, "__version__", "unknown")  # not in MLX's type stubs
+    return cache_root(cache_dir) / "mlx-kernels" / version
 
 
 def on_cuda() -> bool:
@@ -59,22 +80,53 @@ def graphs_wanted(choice: str, model_dir: Path | None) -> bool:
     return isinstance(config, dict) and ("quantization" in config or "quantization_config" in config)
 
 
-def cuda_defaults(env: MutableMapping[str, str], cuda: bool, graphs: bool = False) -> dict[str, str]:
+def cuda_defaults(env: MutableMapping[str, str], cuda: bool, graphs: bool = False,
+                  kernels: Path | None = None) -> dict[str, str]:
     """Put each of the CUDA settings the user has not set into `env` (only on CUDA); return them.
-    `graphs`: leave MLX's CUDA graphs on (its own default)."""
+    `graphs`: leave MLX's CUDA graphs on (its own default). `kernels`: where MLX keeps the
+    kernels it compiles."""
     if not cuda:
         return {}
     wanted = {k: v for k, v in CUDA_DEFAULTS.items() if not (graphs and k == GRAPHS)}
+    if kernels is not None:
+        wanted[KERNELS] = str(kernels)
     applied = {k: v for k, v in wanted.items() if k not in env}
     env.update(applied)
     return applied
 
 
-def apply_cuda_defaults(choice: str = "auto", model_dir: Path | None = None) -> dict[str, str]:
+def apply_cuda_defaults(choice: str = "auto", model_dir: Path | None = None,
+                        cache_dir: str | None = None) -> dict[str, str]:
     """`cuda_defaults` on the process environment, logged once when it sets anything."""
     cuda = on_cuda()
-    applied = cuda_defaults(os.environ, cuda, cuda and graphs_wanted(choice, model_dir))
+    applied = cuda_defaults(os.environ, cuda, cuda and graphs_wanted(choice, model_dir),
+                            kernel_dir(cache_dir) if cuda else None)
     if applied:
         log.info("cuda_defaults_applied", **applied,
                  note="set the variable yourself to override; read once, at MLX's first GPU use")
     return applied
+
+
+WARM_ROWS = (1, 8)
+WARM_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512)
+"""The shapes `warm_kernels` runs: MLX picks a quantized matmul's kernel (and its tile) by the
+product's rows, a decode step's batch (folded into rows) or a prefill chunk's tokens."""
+
+
+def is_quantized(model: Any) -> bool:
+    kinds = (getattr(nn, "QuantizedLinear"), getattr(nn, "QuantizedEmbedding"))  # noqa: B009 (not in MLX's stubs)
+    return any(isinstance(m, kinds) for _, m in model.named_modules())
+
+
+def warm_kernels(model: Any) -> float:
+    """Run `model` once at each of the shapes above, each with ids of both integer types (a
+    prompt's and a sampled token's), so that MLX compiles the kernels they need now rather than
+    under the first requests; its seconds. Leaves the model as it was (a throwaway cache)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    start = time.perf_counter()
+    for rows in WARM_ROWS:
+        for tokens in WARM_TOKENS:
+            for dtype in (mx.int32, mx.uint32):
+                mx.eval(model(mx.zeros((rows, tokens), dtype=dtype), cache=make_prompt_cache(model)))
+    return time.perf_counter() - start

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -16,7 +17,7 @@ from workers.batching.hostpad import unavailable as host_padding_unavailable
 from workers.batching.mlxlm import hf_tokenizer, keep_leading_space
 from workers.batching.quantfold import fold_decode_batch
 from workers.blas import BlasState, blas_state
-from workers.cuda import apply_cuda_defaults, on_cuda
+from workers.cuda import KERNELS, apply_cuda_defaults, is_quantized, on_cuda, warm_kernels
 from workers.loading.dtypes import Dequantize, DTypeName, Precision
 from workers.loading.models import ModelInfo, load, model_info, resolve_model
 from workers.loading.streamdetok import RustDetokenizer, rust_detokenizer
@@ -101,7 +102,7 @@ def mlx_engine_factory(
     def build() -> tuple[Engine, Loaded]:
         directory = resolve_model(path, cache_dir)
         # Before the model's first GPU use: MLX reads them once.
-        apply_cuda_defaults(cuda_graphs, directory)
+        apply_cuda_defaults(cuda_graphs, directory, cache_dir)
         loaded_model = load(str(directory), cache_dir, dtype=dtype, dequantize=dequantize)
         model, tokenizer = loaded_model.model, loaded_model.tokenizer
         if fold_quantized and on_cuda():
@@ -109,6 +110,10 @@ def mlx_engine_factory(
             if folded:
                 log.info("quantized_decode_folded", layers=folded,
                          note="[worker] fold_quantized = false turns it off")
+        if on_cuda() and is_quantized(model):
+            seconds = round(warm_kernels(model), 1)
+            log.info("cuda_kernels_warmed", seconds=seconds, where=os.environ.get(KERNELS),
+                     note="compiled once per machine and MLX version, then read from there")
         info = model_info(model, tokenizer, directory, name=path)  # path: the directory it loaded
         grammar, grammar_unavailable = grammar_tokenizer(hf_tokenizer(tokenizer), info.vocab_size)
         engine = MLXEngine(
