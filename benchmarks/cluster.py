@@ -9,7 +9,7 @@
     first warms them up once (not measured).
 (b) Throughput: `--tp-requests` requests of `--tp-prompt-tokens` random tokens, `--tp-max-tokens`
     generated (ignore_eos), all at once, on 1 and on 2 replicas (each with every `--frontends`
-    count): generated tokens/s, the median of `--tp-repeat` rounds after an untimed one, and each
+    setting, "auto" by default: 1 and 2 processes on a host of 16 cores or more): generated tokens/s, the median of `--tp-repeat` rounds after an untimed one, and each
     Serve process's share of a core meanwhile.
 (c) A replica killed mid-run: `--kill-requests` such requests at `--kill-concurrency` on 2
     replicas; `--kill-after` seconds in, SIGKILL to the replica holding the most. Every request's
@@ -72,11 +72,12 @@ frontends = {frontends}
 
 
 def config(args: argparse.Namespace, memory: int | str, routing: str = "cache-aware",
-           frontends: int = 1) -> SchedulerConfig:
+           frontends: int | str = 1) -> SchedulerConfig:
     mem = f'"{memory}"' if isinstance(memory, str) else str(memory)
     text = BASE.format(model=args.model, memory=mem, block_tokens=args.block_tokens,
                        max_batch=args.max_batch, cpus=args.cpus_per_replica, device=args.device,
-                       gpus=args.gpus_per_replica, routing=routing, frontends=frontends)
+                       gpus=args.gpus_per_replica, routing=routing,
+                       frontends=f'"{frontends}"' if isinstance(frontends, str) else frontends)
     return SchedulerConfig.from_toml(text)
 
 
@@ -293,6 +294,14 @@ def busy(before: dict[str, float], after: dict[str, float], wall: float) -> dict
     return dict(sorted(shares.items(), key=lambda kv: -kv[1]))
 
 
+def frontends_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a count of frontends (1 or more) or \"auto\"")
+    return int(text)
+
+
 async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[str, Any]]:
     from ray import serve
 
@@ -344,9 +353,12 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
         for c in conns:
             open_at_once = f", at most {c} open" if c else ", all open"
             rows.append({"part": "b", "variant": f"{replicas} replica(s)"
-                         + (f", {frontends} frontend(s)" if len(args.frontends) > 1 else "")
+                         + (f", {cfg.cluster.frontend_count(replicas)} frontend(s)"
+                            + (" (auto)" if frontends == "auto" else "")
+                            if len(args.frontends) > 1 or frontends == "auto" else "")
                          + (open_at_once if len(conns) > 1 else ""),
                          "replicas": replicas, "frontends": frontends, "connections": c or None,
+                         "frontend_processes": cfg.cluster.frontend_count(replicas),
                          "requests": args.tp_requests, "tokens": args.tp_requests * args.tp_max_tokens,
                          "rounds_tokens_per_s": rounds[c], "tokens_per_s": statistics.median(rounds[c]),
                          "ttft_p50_ms": 1e3 * percentile(ttfts[c], 0.5),
@@ -360,7 +372,9 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
     for two in (r for r in rows if r["replicas"] == 2):
         one = ones[two["frontends"], two["connections"]]
         two["speedup"] = two["tokens_per_s"] / one["tokens_per_s"]
-        base = ones.get((min(args.frontends), two["connections"]), one)
+        fewest = min((r for r in ones.values() if r["connections"] == two["connections"]),
+                     key=lambda r: r["frontend_processes"], default=one)
+        base = fewest
         two["speedup_vs_fewest_frontends"] = two["tokens_per_s"] / base["tokens_per_s"]
         print(f"  {two['variant']} / {one['variant']} tokens/s (medians): {two['speedup']:.2f}x; "
               f"/ {base['variant']}: {two['speedup_vs_fewest_frontends']:.2f}x")
@@ -471,8 +485,9 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=1,
                    help="(b) client processes sending each round (one process's parsing caps what it sees)")
     p.add_argument("--tp-repeat", type=int, default=3, help="(b) timed rounds per deployment (the median)")
-    p.add_argument("--frontends", type=int, nargs="+", default=[1],
-                   help="(b) [cluster] frontends: each count is a deployment of its own, for 1 and 2 replicas")
+    p.add_argument("--frontends", type=frontends_arg, nargs="+", default=["auto"],
+                   help="(b) [cluster] frontends, counts or \"auto\" (the default: one per replica on "
+                        "16 cores or more): each a deployment of its own, for 1 and 2 replicas")
     p.add_argument("--kill-requests", type=int, default=256)
     p.add_argument("--kill-concurrency", type=int, default=64)
     p.add_argument("--kill-after", type=float, default=3.0)

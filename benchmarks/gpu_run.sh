@@ -48,6 +48,9 @@
 #               "--frontends 1 2": each deployment with one frontend process, then two);
 #               TP_MAX_TOKENS and TP_REPEAT lengthen (b)'s rounds (64 tokens: a round of 2-4 s, too
 #               short to pin the two-replica ratio down within 10%)
+#   cold-start  benchmarks/cold_start.py: a fresh process's first rounds (256 requests at once) with an
+#               empty kernel directory, with and without the load-time kernel build, then a second
+#               process on the built directory (for quantized models: MODELS=smollm2-135m)
 #   stall       benchmarks/stall.py: the closed loop of prompts of 64-512 tokens at $STALL_CONC streams
 #               (32 64), 48 tokens each, $STALL_S (10) s a run, $REPEAT (2) rounds, for each of
 #               $STALL_VARIANTS (default "0 auto"; flags such as 0:queued, 0:mlxpad: stall.py's header);
@@ -149,6 +152,9 @@ for s in "${stages[@]}"; do
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency ${RAY_CONC:-1 64 256} \
           --warmup 1 --repeat ${REPEAT:-1} --waves ${RAY_WAVES:-2} --backends ${RAY_BACKENDS:-scheduler served ray} \
           --out "$out/ray-path-$m.json" ;;
+      cold-start)
+        timeout "$limit" python3 -P benchmarks/cold_start.py --model "$(spec "$m")" --timeout $((limit / 3)) \
+          --out "$out/cold-start-$m.json" ;;
       cluster2)
         timeout "$limit" python3 -P benchmarks/cluster.py --parts ${CLUSTER_PARTS:-b} --model "$(spec "$m")" \
           --device cuda --gpus-per-replica 1 --cpus-per-replica 8 --max-batch 128 --tp-requests ${TP_REQUESTS:-256} \
