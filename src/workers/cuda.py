@@ -114,6 +114,7 @@ product's rows, a decode step's batch (folded into rows) or a prefill chunk's to
 
 
 def is_quantized(model: Any) -> bool:
+    """Whether any of `model`'s layers is quantized (its matmuls then use MLX's compiled kernels)."""
     kinds = (getattr(nn, "QuantizedLinear"), getattr(nn, "QuantizedEmbedding"))  # noqa: B009 (not in MLX's stubs)
     return any(isinstance(m, kinds) for _, m in model.named_modules())
 
