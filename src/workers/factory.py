@@ -111,9 +111,10 @@ def mlx_engine_factory(
                 log.info("quantized_decode_folded", layers=folded,
                          note="[worker] fold_quantized = false turns it off")
         if on_cuda() and is_quantized(model):
+            log.info("cuda_kernels_warming", where=os.environ.get(KERNELS),
+                     note="compiled once per machine and MLX version (minutes), then read from there")
             seconds = round(warm_kernels(model), 1)
-            log.info("cuda_kernels_warmed", seconds=seconds, where=os.environ.get(KERNELS),
-                     note="compiled once per machine and MLX version, then read from there")
+            log.info("cuda_kernels_warmed", seconds=seconds)
         info = model_info(model, tokenizer, directory, name=path)  # path: the directory it loaded
         grammar, grammar_unavailable = grammar_tokenizer(hf_tokenizer(tokenizer), info.vocab_size)
         engine = MLXEngine(
