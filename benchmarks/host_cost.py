@@ -10,7 +10,10 @@ worker thread (both sides)
 - device wait: `mx.eval`, waiting for the previous step's results;
 - sampling + rows: the rest of `BatchGenerator.next` (sampler graph, `tolist`, responses);
 - engine: ours around `BatchGenerator.next` (budget, request ids, step result);
-- post + commands: building the step's message, waking the event loop, taking commands;
+- post + commands: building the step's message, waking the event loop, taking commands (the
+  worker's CPU time between two steps);
+- between steps, off CPU: the wall time between two steps the worker was not running (waiting
+  for the GIL, or for the loop's handoff after a first token);
 - GIL wait: wall minus CPU time of the Python-only phases (forward graph, sampling, engine).
 
 event loop (ours)
@@ -47,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import bare_loop, engine_loop, make_prompts, scheduler_run  # noqa: E402
 
 WORKER = ["forward graph", "async_eval", "device wait", "sampling + rows", "engine", "post + commands",
-          "GIL wait"]
+          "between steps, off CPU", "GIL wait"]
 LOOP = ["handoff", "detokenize", "stop strings", "other on_step", "admission take", "pool", "delivery",
         "other loop CPU"]
 
@@ -68,6 +71,7 @@ class Clocks:
         """ms per step of each phase (the derived ones included)."""
         s, w, c = max(1, self.steps), self.wall, self.cpu
         engine = w["step"] - w["next"] if w["step"] else 0.0  # 0: the bare loop has no engine
+        engine_cpu = c["step"] - c["next"] if c["step"] else 0.0
         python = ("forward graph", "sampling + rows", "engine")
         out = {
             "forward graph": w["forward"],
@@ -75,7 +79,7 @@ class Clocks:
             "device wait": w["eval"],
             "sampling + rows": w["next"] - w["forward"] - w["async_eval"] - w["eval"],
             "engine": engine,
-            "post + commands": w["gap"] - engine,
+            "post + commands": c["gap"] - engine_cpu,
             "handoff": w["handoff"],
             "detokenize": w["text"] - w["stop"],
             "stop strings": w["stop"],
@@ -87,6 +91,9 @@ class Clocks:
         cpu = {"forward graph": c["forward"], "sampling + rows": c["next"] - c["forward"] - c["async_eval"]
                - c["eval"], "engine": c["step"] - c["next"] if c["step"] else 0.0}
         out["GIL wait"] = max(0.0, sum(out[k] for k in python) - sum(cpu.values()))
+        # Between two steps: wall time the worker spent off the CPU (waiting for the GIL, or for
+        # the event loop's handoff after a first token).
+        out["between steps, off CPU"] = max(0.0, (w["gap"] - engine) - (c["gap"] - engine_cpu))
         if self.loop_cpu:
             out["other loop CPU"] = max(0.0, self.loop_cpu - w["on_step"] - w["take"] - w["pool"] - w["apply"])
         return {k: 1e3 * v / s for k, v in out.items()}
@@ -150,12 +157,14 @@ def install(model: Any) -> None:
         last = getattr(self, "_clock_last_end", None)
         if last is not None:
             clocks.wall["gap"] += t - last
+            clocks.cpu["gap"] += c - self._clock_last_cpu
         clocks.inside = True
         try:
             result = next_(self)
         finally:
             clocks.inside = False
             self._clock_last_end = end = time.perf_counter()
+            self._clock_last_cpu = time.thread_time()
             clocks.wall["next"] += end - t
             clocks.cpu["next"] += time.thread_time() - c
         if result[1]:
