@@ -107,3 +107,19 @@ def test_the_old_path_of_create_app_still_imports_with_a_deprecation_warning() -
     with pytest.warns(DeprecationWarning, match="moved to scheduler.serving.http.app"):
         old = importlib.import_module("scheduler.http.app")
     assert old.create_app is create_app
+
+
+def test_token_ids_are_checked_whole_and_the_first_bad_one_is_named() -> None:
+    """A prompt of token ids: every one an int (not a bool) in the vocabulary; the error names
+    the first that is not, whatever else follows it."""
+    from scheduler.request import check_token_ids
+
+    check_token_ids(list(range(4096)), 4096)
+    check_token_ids([0], 1)
+    for prompt, bad in [([1, True, 3], "prompt[1] = True"), ([5, -1, 2.0], "prompt[1] = -1"),
+                        ([1, 2, 4096], "prompt[2] = 4096"), ([1, 2.0], "prompt[1] = 2.0"),
+                        ([7, "a", -3], "prompt[1] = 'a'"), ([None], "prompt[0] = None")]:
+        with pytest.raises(InvalidRequest, match=rf"^{bad.replace('[', '[[]')} is not a token id in \[0, 4096\)"):
+            check_token_ids(prompt, 4096)
+    with pytest.raises(InvalidRequest, match="prompt is empty"):
+        check_token_ids([], 4096)

@@ -112,6 +112,10 @@ def check_session(session: object) -> None:
 def check_token_ids(ids: list[Any], vocab_size: int) -> None:
     if not ids:
         raise InvalidRequest("prompt is empty")
+    # The common case in C (on the event loop: a long prompt's loop below took 60 ns a token);
+    # the loop only finds the first bad one. `type(t) is int` keeps bools out.
+    if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size:
+        return
     for i, t in enumerate(ids):
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise InvalidRequest(f"prompt[{i}] = {t!r} is not a token id in [0, {vocab_size})"[:200])
