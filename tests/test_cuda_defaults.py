@@ -14,6 +14,7 @@ from workers.cuda import (
     cuda_defaults,
     graphs_wanted,
     kernel_dir,
+    kernels_locked,
     on_cuda,
 )
 
@@ -94,3 +95,32 @@ def test_auto_keeps_graphs_for_quantized_models_only(tmp_path: Path) -> None:
     assert graphs_wanted("on", small) is True
     assert graphs_wanted("off", large) is False
     assert graphs_wanted("auto", None) is False
+
+
+def test_replicas_on_one_host_build_kernels_in_turn(tmp_path: Path) -> None:
+    """The second holder waits until the first lets go (flock: separate opens conflict, in one
+    process as across processes); an unusable directory builds without the lock."""
+    import threading
+    import time
+
+    order: list[str] = []
+    with kernels_locked(str(tmp_path / "k")):
+        second = threading.Thread(target=lambda: _hold(str(tmp_path / "k"), order))
+        second.start()
+        time.sleep(0.2)
+        order.append("first done")
+    second.join(5)
+    assert order == ["first done", "second in"]
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with capture_logs() as logs, kernels_locked(str(blocker / "k")):  # a file where a directory must be
+        order.append("built anyway")
+    assert order[-1] == "built anyway" and [e["event"] for e in logs] == ["cuda_kernel_dir_unusable"]
+    with kernels_locked(None):
+        order.append("no directory")
+    assert order[-1] == "no directory"
+
+
+def _hold(directory: str, order: list[str]) -> None:
+    with kernels_locked(directory):
+        order.append("second in")

@@ -25,14 +25,17 @@ Q4_1 GGUF, 256 requests at once) the first round took 45 s with every TTFT above
 140 s with the quantized decode fold off, where the same round took 3.4 s once the kernels were
 on disk. The scheduler points `MLX_PTX_CACHE_DIR` into its own cache (one directory per MLX
 version), so the build is paid once per machine and cache, as the models are, and it builds a
-quantized model's kernels while the model loads (`warm_kernels`), before any request waits.
+quantized model's kernels while the model loads (`warm_kernels`), before any request waits;
+replicas on one host take turns (`kernels_locked`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -42,8 +45,7 @@ import structlog
 from workers.loading.cachedir import cache_root
 
 if TYPE_CHECKING:
-    from collections.abc import MutableMapping
-    from pathlib import Path
+    from collections.abc import Iterator, MutableMapping
 
 log = structlog.get_logger(__name__)
 
@@ -131,3 +133,31 @@ def warm_kernels(model: Any) -> float:
             for dtype in (mx.int32, mx.uint32):
                 mx.eval(model(mx.zeros((rows, tokens), dtype=dtype), cache=make_prompt_cache(model)))
     return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def kernels_locked(directory: str | None) -> Iterator[None]:
+    """Hold `directory`'s build lock: replicas that start together on one host take turns, so
+    the second reads what the first compiled instead of compiling it again, and never reads a
+    kernel file while the first is still writing it (MLX writes them in place)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows, where MLX has no CUDA backend): nothing to share
+        yield
+        return
+    lock = None
+    if directory:
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            lock = open(Path(directory) / ".build.lock", "a")  # noqa: SIM115 (closed below)
+        except OSError as exc:  # MLX then keeps no kernels there either: build without the lock
+            log.warning("cuda_kernel_dir_unusable", where=directory, error=str(exc))
+    if lock is None:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

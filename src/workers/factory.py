@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -17,7 +18,7 @@ from workers.batching.hostpad import unavailable as host_padding_unavailable
 from workers.batching.mlxlm import hf_tokenizer, keep_leading_space
 from workers.batching.quantfold import fold_decode_batch
 from workers.blas import BlasState, blas_state
-from workers.cuda import KERNELS, apply_cuda_defaults, is_quantized, on_cuda, warm_kernels
+from workers.cuda import KERNELS, apply_cuda_defaults, is_quantized, kernels_locked, on_cuda, warm_kernels
 from workers.loading.dtypes import Dequantize, DTypeName, Precision
 from workers.loading.models import ModelInfo, load, model_info, resolve_model
 from workers.loading.streamdetok import RustDetokenizer, rust_detokenizer
@@ -113,8 +114,11 @@ def mlx_engine_factory(
         if on_cuda() and is_quantized(model):
             log.info("cuda_kernels_warming", where=os.environ.get(KERNELS),
                      note="compiled once per machine and MLX version (minutes), then read from there")
-            seconds = round(warm_kernels(model), 1)
-            log.info("cuda_kernels_warmed", seconds=seconds)
+            start = time.perf_counter()
+            with kernels_locked(os.environ.get(KERNELS)):  # replicas on one host take turns
+                waited = time.perf_counter() - start
+                seconds = round(warm_kernels(model), 1)
+            log.info("cuda_kernels_warmed", seconds=seconds, waited_s=round(waited, 1))
         info = model_info(model, tokenizer, directory, name=path)  # path: the directory it loaded
         grammar, grammar_unavailable = grammar_tokenizer(hf_tokenizer(tokenizer), info.vocab_size)
         engine = MLXEngine(
