@@ -76,7 +76,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 def run_variant(args: argparse.Namespace, variant: str, kernels: Path) -> dict[str, Any]:
     env = {**os.environ, "MLX_PTX_CACHE_DIR": str(kernels), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-P", __file__, "--child", "warm" if variant == "cached" else variant, *sys.argv[1:]]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"variant": variant, "error": f"not done in {args.timeout:g} s (--timeout)",
+                "kernels_built": len({p.stem for p in kernels.glob("*.ptx")})}
     line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")), None)
     if proc.returncode != 0 or line is None:
         return {"variant": variant, "error": f"rc {proc.returncode}: {proc.stderr[-600:]}"}
