@@ -50,7 +50,8 @@
 #               short to pin the two-replica ratio down within 10%)
 #   cold-start  benchmarks/cold_start.py: a fresh process's first rounds (256 requests at once) with an
 #               empty kernel directory, with and without the load-time kernel build, then a second
-#               process on the built directory (for quantized models: MODELS=smollm2-135m)
+#               process on the built directory (for quantized models: MODELS=smollm2-135m; give it
+#               LIMIT_S=600: each variant may take a third of it, and a cold build took 45-140 s)
 #   stall       benchmarks/stall.py: the closed loop of prompts of 64-512 tokens at $STALL_CONC streams
 #               (32 64), 48 tokens each, $STALL_S (10) s a run, $REPEAT (2) rounds, for each of
 #               $STALL_VARIANTS (default "0 auto"; flags such as 0:queued, 0:mlxpad: stall.py's header);
