@@ -9,7 +9,8 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
 from workers.batching.quantfold import fold_decode_batch
-from workers.cuda import WARM_ROWS, WARM_TOKENS, is_quantized, warm_kernels
+from workers.cuda import WARM_ROWS, WARM_TOKENS, warm_kernels
+from workers.loading.dtypes import quantized_layers
 from workers.loading.models import load_model, resolve_model
 
 if TYPE_CHECKING:
@@ -64,10 +65,10 @@ def test_warming_a_quantized_models_kernels_runs_every_shape_and_changes_nothing
     """On CUDA the factory runs this before the first request so that MLX compiles a quantized
     model's kernels at load; here it runs on any backend, for its shapes and its side effects."""
     model, _ = load_model(str(resolve_model("synthetic:tiny", model_cache)))
-    assert not is_quantized(model)
+    assert not quantized_layers(model)
     nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())
-    assert is_quantized(model)
+    assert quantized_layers(model)
     fold_decode_batch(model)
     prompts = [[5, 9, 13, 2], [100, 3]]
     before = _greedy(model, prompts, 8)

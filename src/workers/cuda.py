@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-import mlx.nn as nn
 import structlog
 
 from workers.loading.cachedir import cache_root
@@ -113,12 +112,6 @@ WARM_ROWS = (1, 8)
 WARM_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 """The shapes `warm_kernels` runs: MLX picks a quantized matmul's kernel (and its tile) by the
 product's rows, a decode step's batch (folded into rows) or a prefill chunk's tokens."""
-
-
-def is_quantized(model: Any) -> bool:
-    """Whether any of `model`'s layers is quantized (its matmuls then use MLX's compiled kernels)."""
-    kinds = (getattr(nn, "QuantizedLinear"), getattr(nn, "QuantizedEmbedding"))  # noqa: B009 (not in MLX's stubs)
-    return any(isinstance(m, kinds) for _, m in model.named_modules())
 
 
 def warm_kernels(model: Any) -> float:

@@ -18,8 +18,8 @@ from workers.batching.hostpad import unavailable as host_padding_unavailable
 from workers.batching.mlxlm import hf_tokenizer, keep_leading_space
 from workers.batching.quantfold import fold_decode_batch
 from workers.blas import BlasState, blas_state
-from workers.cuda import KERNELS, apply_cuda_defaults, is_quantized, kernels_locked, on_cuda, warm_kernels
-from workers.loading.dtypes import Dequantize, DTypeName, Precision
+from workers.cuda import KERNELS, apply_cuda_defaults, kernels_locked, on_cuda, warm_kernels
+from workers.loading.dtypes import Dequantize, DTypeName, Precision, quantized_layers
 from workers.loading.models import ModelInfo, load, model_info, resolve_model
 from workers.loading.streamdetok import RustDetokenizer, rust_detokenizer
 
@@ -111,11 +111,12 @@ def mlx_engine_factory(
             if folded:
                 log.info("quantized_decode_folded", layers=folded,
                          note="[worker] fold_quantized = false turns it off")
-        if on_cuda() and is_quantized(model):
-            log.info("cuda_kernels_warming", where=os.environ.get(KERNELS),
+        if on_cuda() and quantized_layers(model):  # their matmuls use kernels MLX compiles
+            kernels = os.environ.get(KERNELS)
+            log.info("cuda_kernels_warming", where=kernels,
                      note="compiled once per machine and MLX version (minutes), then read from there")
             start = time.perf_counter()
-            with kernels_locked(os.environ.get(KERNELS)):  # replicas on one host take turns
+            with kernels_locked(kernels):  # replicas on one host take turns
                 waited = time.perf_counter() - start
                 seconds = round(warm_kernels(model), 1)
             log.info("cuda_kernels_warmed", seconds=seconds, waited_s=round(waited, 1))

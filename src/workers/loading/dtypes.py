@@ -40,6 +40,12 @@ def on_cpu() -> bool:
     return bool(mx.default_device() == mx.cpu)
 
 
+def quantized_layers(model: Any) -> list[Any]:
+    """`model`'s quantized layers (linear and embedding)."""
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding)  # type: ignore[attr-defined]
+    return [m for _, m in model.named_modules() if isinstance(m, kinds)]
+
+
 def adapt_precision(
     model: Any, directory: Path, dtype: DTypeName = "auto", dequantize: Dequantize = "auto"
 ) -> Precision:
@@ -47,8 +53,7 @@ def adapt_precision(
     where it pays, dequantize its quantized layers. Call on the model's thread."""
     cpu = on_cpu()
     target = _target(directory, dtype, cpu)
-    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding)  # type: ignore[attr-defined]
-    quantized = [m for _, m in model.named_modules() if isinstance(m, kinds)]
+    quantized = quantized_layers(model)
     if target is not None:
         model.set_dtype(DTYPES[target])
     done = 0
