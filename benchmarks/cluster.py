@@ -9,8 +9,9 @@
     first warms them up once (not measured).
 (b) Throughput: `--tp-requests` requests of `--tp-prompt-tokens` random tokens, `--tp-max-tokens`
     generated (ignore_eos), all at once, on 1 and on 2 replicas (each with every `--frontends`
-    setting, "auto" by default: 1 and 2 processes on a host of 16 cores or more): generated tokens/s, the median of `--tp-repeat` rounds after an untimed one, and each
-    Serve process's share of a core meanwhile.
+    setting, "auto" by default: 1 and 2 processes on a host of 16 cores or more): generated
+    tokens/s, the median of `--tp-repeat` rounds after an untimed one, and each Serve process's
+    share of a core meanwhile.
 (c) A replica killed mid-run: `--kill-requests` such requests at `--kill-concurrency` on 2
     replicas; `--kill-after` seconds in, SIGKILL to the replica holding the most. Every request's
     outcome (completed, an error event and its code, a broken stream, an HTTP status), which
@@ -367,14 +368,13 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
                          "routing": routing, "gpus": gpus})
             print_row(rows[-1])
         serve.delete(APP_NAME)
-    # Against one replica with the same frontends and connections, and with one frontend.
+    # Against one replica with the same frontends and connections, and with the fewest frontends.
     ones = {(r["frontends"], r["connections"]): r for r in rows if r["replicas"] == 1}
     for two in (r for r in rows if r["replicas"] == 2):
         one = ones[two["frontends"], two["connections"]]
         two["speedup"] = two["tokens_per_s"] / one["tokens_per_s"]
-        fewest = min((r for r in ones.values() if r["connections"] == two["connections"]),
-                     key=lambda r: r["frontend_processes"], default=one)
-        base = fewest
+        base = min((r for r in ones.values() if r["connections"] == two["connections"]),
+                   key=lambda r: r["frontend_processes"], default=one)
         two["speedup_vs_fewest_frontends"] = two["tokens_per_s"] / base["tokens_per_s"]
         print(f"  {two['variant']} / {one['variant']} tokens/s (medians): {two['speedup']:.2f}x; "
               f"/ {base['variant']}: {two['speedup_vs_fewest_frontends']:.2f}x")
