@@ -15,8 +15,8 @@ from workers.cuda import (
     graphs_wanted,
     kernel_dir,
     kernels_locked,
-    on_cuda,
 )
+from workers.loading.dtypes import CUDA_DEQUANTIZE_LIMIT, cuda_dequantizes, on_cuda
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -85,16 +85,34 @@ def _model_dir(directory: Path, config: str, weights: int) -> Path:
     return directory
 
 
-def test_auto_keeps_graphs_for_quantized_models_only(tmp_path: Path) -> None:
+def test_auto_keeps_graphs_for_models_that_stay_quantized_only(tmp_path: Path) -> None:
+    four_bits = '{"quantization": {"bits": 4, "group_size": 64}}'
     small = _model_dir(tmp_path / "small", "{}", 2 * 2**30)
     large = _model_dir(tmp_path / "large", "{}", 16 * 2**30)
-    quant = _model_dir(tmp_path / "quant", '{"quantization": {"bits": 4, "group_size": 64}}', 4 * 2**30)
+    quant = _model_dir(tmp_path / "quant", four_bits, 4 * 2**30)  # 16 GiB in half precision
+    tiny_quant = _model_dir(tmp_path / "tiny-quant", four_bits, 100 * 2**20)  # dequantized
     assert graphs_wanted("auto", small) is False
     assert graphs_wanted("auto", large) is False
     assert graphs_wanted("auto", quant) is True
+    assert graphs_wanted("auto", tiny_quant) is False
+    assert graphs_wanted("auto", tiny_quant, dequantize="no") is True
+    assert graphs_wanted("auto", quant, dequantize="yes") is False
     assert graphs_wanted("on", small) is True
     assert graphs_wanted("off", large) is False
     assert graphs_wanted("auto", None) is False
+
+
+def test_on_cuda_auto_dequantizes_what_fits_the_limit_in_half_precision(tmp_path: Path) -> None:
+    limit = CUDA_DEQUANTIZE_LIMIT
+    four = _model_dir(tmp_path / "four", '{"quantization": {"bits": 4}}', limit // 4)
+    over = _model_dir(tmp_path / "over", '{"quantization": {"bits": 4}}', limit // 4 + 1)
+    eight = _model_dir(tmp_path / "eight", '{"quantization_config": {"bits": 8}}', limit // 2)
+    dense = _model_dir(tmp_path / "dense", "{}", 2**20)
+    broken = _model_dir(tmp_path / "broken", "not json", 2**20)
+    assert cuda_dequantizes(four) and cuda_dequantizes(eight)
+    assert not cuda_dequantizes(over)
+    assert not cuda_dequantizes(dense) and not cuda_dequantizes(broken) and not cuda_dequantizes(None)
+    assert cuda_dequantizes(over, "yes") and not cuda_dequantizes(four, "no")
 
 
 def test_replicas_on_one_host_build_kernels_in_turn(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ from tests.gguf_files import (
     transformers_gguf_tokenizer,
     write_gguf,
 )
-from workers.loading import synthetic
+from workers.loading import dtypes, synthetic
 from workers.loading.cachedir import ModelSourceError
 from workers.loading.gguf import gguf_model_dir
 from workers.loading.gguf.header import read_header
@@ -192,6 +192,22 @@ def test_the_files_hold_llamas_permuted_q_and_k(
         assert np.array_equal(stored_q, q) is not permuted
     assert "output.weight" not in mx.load(str(gguf_file("llama", "F32")))
     assert "output.weight" in mx.load(str(gguf_file("llama-untied", "F32")))
+
+
+def test_on_cuda_a_small_quantized_model_is_dequantized_unless_told_not_to(
+    gguf_file: Callable[[str, TensorType], Path], convert_cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA "auto" dequantizes a small model (the rule's sizes: test_cuda_defaults); "no"
+    keeps its layers quantized. The backend is faked: only the decision depends on it."""
+    monkeypatch.setattr(dtypes, "on_cpu", lambda: False)
+    monkeypatch.setattr(dtypes, "on_cuda", lambda: True)
+    path = str(gguf_file("llama", "Q4_0"))
+    auto = load(path, convert_cache)
+    assert not quantized_layers(auto.model) and auto.precision.dequantized > 0
+    assert "CUDA" in auto.precision.note and auto.precision.dtype in ("float16", "bfloat16")
+    kept = load(path, convert_cache, dequantize="no")
+    assert quantized_layers(kept.model) and kept.precision.dequantized == 0
 
 
 @pytest.mark.parametrize("tensor_type", KEPT_QUANTIZED)

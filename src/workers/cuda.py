@@ -42,6 +42,7 @@ import mlx.core as mx
 import structlog
 
 from workers.loading.cachedir import cache_root
+from workers.loading.dtypes import Dequantize, cuda_dequantizes, on_cuda
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, MutableMapping
@@ -61,15 +62,9 @@ def kernel_dir(cache_dir: str | None = None) -> Path:
     return cache_root(cache_dir) / "mlx-kernels" / version
 
 
-def on_cuda() -> bool:
-    """Whether this MLX runs on its CUDA backend."""
-    cuda = getattr(mx, "cuda", None)
-    return bool(cuda is not None and cuda.is_available())
-
-
-def graphs_wanted(choice: str, model_dir: Path | None) -> bool:
+def graphs_wanted(choice: str, model_dir: Path | None, dequantize: Dequantize = "auto") -> bool:
     """Whether CUDA graphs should stay on for `[worker] cuda_graphs = choice`: "on"/"off" as
-    said; "auto": on for quantized models only."""
+    said; "auto": on for models that stay quantized (`[model] dequantize`)."""
     if choice != "auto":
         return choice == "on"
     if model_dir is None:
@@ -78,7 +73,9 @@ def graphs_wanted(choice: str, model_dir: Path | None) -> bool:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
-    return isinstance(config, dict) and ("quantization" in config or "quantization_config" in config)
+    quantized = isinstance(config, dict) and (
+        "quantization" in config or "quantization_config" in config)
+    return quantized and not cuda_dequantizes(model_dir, dequantize)
 
 
 def cuda_defaults(env: MutableMapping[str, str], cuda: bool, graphs: bool = False,
@@ -97,10 +94,10 @@ def cuda_defaults(env: MutableMapping[str, str], cuda: bool, graphs: bool = Fals
 
 
 def apply_cuda_defaults(choice: str = "auto", model_dir: Path | None = None,
-                        cache_dir: str | None = None) -> dict[str, str]:
+                        cache_dir: str | None = None, dequantize: Dequantize = "auto") -> dict[str, str]:
     """`cuda_defaults` on the process environment, logged once when it sets anything."""
     cuda = on_cuda()
-    applied = cuda_defaults(os.environ, cuda, cuda and graphs_wanted(choice, model_dir),
+    applied = cuda_defaults(os.environ, cuda, cuda and graphs_wanted(choice, model_dir, dequantize),
                             kernel_dir(cache_dir) if cuda else None)
     if applied:
         log.info("cuda_defaults_applied", **applied,

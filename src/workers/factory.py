@@ -18,8 +18,8 @@ from workers.batching.hostpad import unavailable as host_padding_unavailable
 from workers.batching.mlxlm import hf_tokenizer, keep_leading_space
 from workers.batching.quantfold import fold_decode_batch
 from workers.blas import BlasState, blas_state
-from workers.cuda import KERNELS, apply_cuda_defaults, kernels_locked, on_cuda, warm_kernels
-from workers.loading.dtypes import Dequantize, DTypeName, Precision, quantized_layers
+from workers.cuda import KERNELS, apply_cuda_defaults, kernels_locked, warm_kernels
+from workers.loading.dtypes import Dequantize, DTypeName, Precision, on_cuda, quantized_layers
 from workers.loading.models import ModelInfo, load, model_info, resolve_model
 from workers.loading.streamdetok import RustDetokenizer, rust_detokenizer
 
@@ -103,7 +103,7 @@ def mlx_engine_factory(
     def build() -> tuple[Engine, Loaded]:
         directory = resolve_model(path, cache_dir)
         # Before the model's first GPU use: MLX reads them once.
-        apply_cuda_defaults(cuda_graphs, directory, cache_dir)
+        apply_cuda_defaults(cuda_graphs, directory, cache_dir, dequantize)
         loaded_model = load(str(directory), cache_dir, dtype=dtype, dequantize=dequantize)
         model, tokenizer = loaded_model.model, loaded_model.tokenizer
         if fold_quantized and on_cuda():

@@ -28,7 +28,7 @@ from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
 from workers.batching.hostpad import host_padded, merged_padding
 from workers.batching.mlxlm import missing_prefill_fields
-from workers.cuda import on_cuda
+from workers.loading.dtypes import on_cuda
 
 if TYPE_CHECKING:
     from collections.abc import Callable
