@@ -126,10 +126,14 @@ def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
             start = time.perf_counter()
             tokens = prefill_steps = 0
             step_clock = 0.0
+            per_step: list[tuple[float, dict[str, float]]] = []
+        before = dict(clocks.total)
         t0 = time.perf_counter()
         result = engine.step()
         if i >= args.warmup:
-            step_clock += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            step_clock += spent
+            per_step.append((spent, {k: v - before.get(k, 0.0) for k, v in clocks.total.items()}))
             tokens += len(result.tokens)
             prefill_steps += result.prefill_tokens > 0
         if result.finished:  # they already left the engine
@@ -142,8 +146,29 @@ def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
     phases = dict(clocks.total)
     phases["engine"] = step_clock - sum(phases.values())
     return {"tok_s": tokens / wall, "ms_per_step": wall / args.steps * 1e3,
-            "prefill_steps": prefill_steps, "phase_ms_per_step": {k: v / args.steps * 1e3 for k, v in phases.items()},
+            "prefill_steps": prefill_steps, "slow_steps": slow_steps(per_step), "phase_ms_per_step": {k: v / args.steps * 1e3 for k, v in phases.items()},
             "calls": dict(clocks.calls)}
+
+
+def slow_steps(per_step: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
+    """Where the slowest steps' time goes: the steps at or above the 95th percentile of step
+    time against the median half, each phase's mean ms a step (engine: the rest)."""
+    times = sorted(t for t, _ in per_step)
+    p50, p95 = times[len(times) // 2], times[int(len(times) * 0.95)]
+
+    def mean(steps: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for spent, phases in steps:
+            for k, v in phases.items():
+                out[k] += v * 1e3 / len(steps)
+            out["engine"] += (spent - sum(phases.values())) * 1e3 / len(steps)
+            out["step"] += spent * 1e3 / len(steps)
+        return dict(out)
+
+    return {"p50_ms": p50 * 1e3, "p95_ms": p95 * 1e3, "p99_ms": times[int(len(times) * 0.99)] * 1e3,
+            "max_ms": times[-1] * 1e3,
+            "slow": mean([s for s in per_step if s[0] >= p95]),
+            "median_half": mean([s for s in per_step if s[0] <= p50])}
 
 
 def main() -> None:
@@ -189,6 +214,14 @@ def main() -> None:
         print(f"{v:<12} {row['tok_s']:>7.0f} {row['ms_per_step']:>8.2f} {row['prefill_steps']:>9.0f} "
               + " ".join(f"{row[n]:>11.2f}" for n in names))
     print("(phases: ms per step, averaged over all steps)")
+    print("\nThe slowest steps (>= p95 of step time) against the median half, first run, ms a step:")
+    print(f"{'variant':<12} {'steps':<12} {'step':>7} " + " ".join(f"{n:>11}" for n in names))
+    for v, rs in runs.items():
+        slow = rs[0]["slow_steps"]
+        print(f"{v:<12} p50 {slow['p50_ms']:.1f}, p99 {slow['p99_ms']:.1f}, max {slow['max_ms']:.1f}")
+        for which in ("slow", "median_half"):
+            ph = slow[which]
+            print(f"{'':<12} {which:<12} {ph['step']:>7.2f} " + " ".join(f"{ph.get(n, 0.0):>11.2f}" for n in names))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "runs": runs, "medians": table, "load": loads,

@@ -12,8 +12,9 @@ in rotating order, with prompt lengths drawn from `--prompt-min`..`--prompt-max`
 medians with each one's ratios to budget 0. Flags after a colon change one thing each:
 `:keepcache` makes MLX's `clear_cache` a no-op (mlx-lm clears the allocator cache after every
 prefill chunk), `:queued` / `:blocking` set `[worker] prefill_chunks`, and `:mlxpad` uses mlx-lm's
-own batch-cache filter, which waits for the device to read the rows' padding; `:key=value` sets
-any `[worker]` setting (`0:prefill_batch=4:prefill_pack=false`):
+own batch-cache filter, which waits for the device to read the rows' padding, `:nogc` turns
+Python's garbage collector off for the timed run (every run reports the collector's pauses);
+`:key=value` sets any `[worker]` setting (`0:prefill_batch=4:prefill_pack=false`):
 
     python benchmarks/stall.py --variants 0 auto 256 auto:keepcache --prompt-min 64 --prompt-max 512 \
         --concurrency 32 --max-tokens 48 --seconds 20 --repeat 3
@@ -27,6 +28,7 @@ variant's ITL over time (its first run) into a PNG beside the JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -39,9 +41,41 @@ from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from workers.batching import hostpad
 
 PEER = "mlx_lm.server"
-FLAGS = ("keepcache", "queued", "blocking", "mlxpad")
+FLAGS = ("keepcache", "queued", "blocking", "mlxpad", "nogc")
 """Variant flags: MLX's clear_cache a no-op; prefill chunks queued or blocking; mlx-lm's own
-batch-cache filter (it reads the rows' padding from the device) instead of ours."""
+batch-cache filter (it reads the rows' padding from the device) instead of ours; Python's cyclic
+garbage collector off during the timed run."""
+
+
+class GCPauses:
+    """The garbage collector's pauses during a run (each one stops every thread: the worker's
+    graph building and the event loop alike)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self._start = 0.0
+
+    def __enter__(self) -> GCPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._start))
+
+    def result(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for gen in (0, 1, 2):
+            times = [t for g, t in self.pauses if g == gen]
+            out[f"gc{gen}_count"] = len(times)
+            out[f"gc{gen}_max_ms"] = max(times, default=0.0) * 1e3
+        out["gc_total_ms"] = sum(t for _, t in self.pauses) * 1e3
+        return out
 
 
 class Trace:
@@ -78,7 +112,8 @@ async def one_request(sched: Scheduler, prompt: list[int], params: SamplingParam
         trace.tokens += len(chunk.token_ids)
 
 
-async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float | None) -> dict[str, object]:
+async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float | None,
+              collect: bool = True) -> dict[str, object]:
     rng = random.Random(args.seed)
     fixed = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -103,22 +138,28 @@ async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float 
                 n = lo + (hi - lo) * k // max(1, args.prefill_batch - 1)
                 tg.start_soon(sched.complete, [warm.randrange(3, 1000) for _ in range(n)],
                               SamplingParams(max_tokens=4))
+        if not collect:
+            gc.disable()
         start = time.perf_counter()
         end_at = start + args.seconds
-        async with anyio.create_task_group() as tg:
-            if rate is None:
-                async def stream() -> None:
-                    while time.perf_counter() < end_at:
-                        await one_request(sched, prompt(), params(), trace, start)
+        try:
+            with GCPauses() as pauses:
+                async with anyio.create_task_group() as tg:
+                    if rate is None:
+                        async def stream() -> None:
+                            while time.perf_counter() < end_at:
+                                await one_request(sched, prompt(), params(), trace, start)
 
-                for _ in range(args.concurrency):
-                    tg.start_soon(stream)
-            else:
-                while time.perf_counter() < end_at:
-                    tg.start_soon(one_request, sched, prompt(), params(), trace, start)
-                    await anyio.sleep(rng.expovariate(rate))
-        wall = time.perf_counter() - start
-    return trace.result(wall)
+                        for _ in range(args.concurrency):
+                            tg.start_soon(stream)
+                    else:
+                        while time.perf_counter() < end_at:
+                            tg.start_soon(one_request, sched, prompt(), params(), trace, start)
+                            await anyio.sleep(rng.expovariate(rate))
+                wall = time.perf_counter() - start
+        finally:
+            gc.enable()
+    return {**trace.result(wall), **pauses.result()}
 
 
 def make_config(args: argparse.Namespace, budget: str, chunks: str = "auto",
@@ -241,7 +282,7 @@ def compare(args: argparse.Namespace) -> None:
                     result = run_peer(args)
                 else:
                     config = make_config(args, budget, chunks, settings)
-                    result = anyio.run(lambda c=config: run(c, args, rate=None))
+                    result = anyio.run(lambda c=config, g="nogc" not in flags: run(c, args, rate=None, collect=g))
             finally:
                 mx.clear_cache = clear  # type: ignore[assignment]
                 hostpad.ENABLED = True
@@ -249,7 +290,12 @@ def compare(args: argparse.Namespace) -> None:
             runs[variant].append(result)
             loads.append(os.getloadavg()[0])
             print(f"  {variant}: {result['tok_s']:.0f} tok/s, ITL p99/p50 "
-                  f"{float(result['itl_p99_ms']) / float(result['itl_p50_ms']):.2f}", flush=True)
+                  f"{float(result['itl_p99_ms']) / float(result['itl_p50_ms']):.2f}, ITL max "
+                  f"{float(result['itl_max_ms']):.0f} ms; GC pauses (gen 0/1/2) "
+                  f"{result.get('gc0_count', 0):.0f}/{result.get('gc1_count', 0):.0f}/"
+                  f"{result.get('gc2_count', 0):.0f}, longest {result.get('gc2_max_ms', 0):.1f} ms (gen 2), "
+                  f"{max(float(result.get(f'gc{g}_max_ms', 0)) for g in (0, 1)):.1f} ms (gen 0-1)",
+                  flush=True)
 
     def med(variant: str, key: str) -> float:
         return statistics.median(float(r[key]) for r in runs[variant])  # type: ignore[arg-type]
