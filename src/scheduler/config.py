@@ -40,7 +40,8 @@ class ModelSection(_Section):
     backend (it has no fast half-precision kernels), the model's own half precision on a GPU."""
     dequantize: Literal["auto", "yes", "no"] = "auto"
     """Turn quantized layers into dense ones at load. "auto": on the CPU backend, when the float32
-    weights fit in 4 GiB (faster there: see docs); never on a GPU."""
+    weights fit in 4 GiB; on CUDA, when the half-precision weights would fit in 4 GiB (faster
+    there, and no quantized kernels to compile first: see docs); never on Metal."""
 
 
 class SJFOptions(_Section):

@@ -26,7 +26,9 @@ Q4_1 GGUF, 256 requests at once) the first round took 45 s with every TTFT above
 on disk. The scheduler points `MLX_PTX_CACHE_DIR` into its own cache (one directory per MLX
 version), so the build is paid once per machine and cache, as the models are, and it builds a
 quantized model's kernels while the model loads (`warm_kernels`), before any request waits;
-replicas on one host take turns (`kernels_locked`).
+replicas on one host take turns (`kernels_locked`). Small quantized models no longer need those
+kernels: on CUDA they are dequantized at load (`workers.loading.dtypes`), since on a fresh H200
+SmolLM2's Q4_1 GGUF had not served its first round after 200 s, build or no build.
 """
 
 from __future__ import annotations
