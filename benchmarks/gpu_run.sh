@@ -56,6 +56,8 @@
 #               (32 64), 48 tokens each, $STALL_S (10) s a run, $REPEAT (2) rounds, for each of
 #               $STALL_VARIANTS (default "0 auto"; flags such as 0:queued, 0:mlxpad: stall.py's header);
 #               $STALL_ARGS adds options ("--max-tokens 96 --max-tokens-min 16": varied output lengths)
+#   mixed-step  benchmarks/mixed_step.py: a prefill chunk inside the decode step's forward pass
+#               against the two passes apart, host build and wall ms ($MIXED_CHUNKS, prompts x tokens)
 #   served      benchmarks/peers.py at 1 8 64: our server over HTTP beside the in-process
 #               scheduler and mlx_lm.server, one client for all (the served path should keep >= 0.97x of in-process at 64)
 #   served-8b   the same for Llama-3.1-8B's shape (benchmarks/shapes.py builds it, ~16 GB, once),
@@ -102,6 +104,10 @@ for s in "${stages[@]}"; do
             --concurrency "$c" --prompt-min 64 --prompt-max 512 --max-tokens 48 --seconds ${STALL_S:-10} \
             --repeat ${REPEAT:-2} ${STALL_ARGS:-} --out "$out/stall-$m-$c.json"
         done ;;
+      mixed-step)
+        timeout "$limit" python3 -P benchmarks/mixed_step.py --model "$(spec "$m")" --rows ${MIXED_ROWS:-64} \
+          --held 256 --chunks ${MIXED_CHUNKS:-8x512 4x512 8x128 1x256} --steps 20 --repeat ${REPEAT:-2} \
+          --out "$out/mixed-step-$m.json" ;;
       served)
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency ${SERVED_CONC:-1 8 64} \
           --warmup 1 --repeat ${REPEAT:-1} --backends ${SERVED_BACKENDS:-scheduler served mlx_lm.server} \
