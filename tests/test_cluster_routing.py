@@ -230,6 +230,7 @@ class FakeGenerator:
 async def test_a_full_replica_queue_is_429_and_a_dead_replica_an_error_chunk() -> None:
     from scheduler.errors import QueueFull
     from scheduler.serving.cluster.frontend import REPLICA_FAILED, RemoteStream
+    from scheduler.serving.cluster.replica import pack_chunks
     from scheduler.serving.http.errors import from_scheduler
     from scheduler.types import Chunk
 
@@ -239,7 +240,7 @@ async def test_a_full_replica_queue_is_429_and_a_dead_replica_an_error_chunk() -
     answer = from_scheduler(caught.value, "req-1")
     assert (answer.status, answer.body.code) == (429, "queue_full")
 
-    gen = FakeGenerator([("chunks", [Chunk(1, "hi", [5])])], then=RuntimeError("ActorDiedError"))
+    gen = FakeGenerator([("chunks", pack_chunks([Chunk(1, "hi", [5])]))], then=RuntimeError("ActorDiedError"))
     async with RemoteStream(gen, "r2") as dying:
         assert (await dying.__anext__()).text == "hi"
         last = await dying.__anext__()
@@ -249,7 +250,7 @@ async def test_a_full_replica_queue_is_429_and_a_dead_replica_an_error_chunk() -
             await dying.__anext__()
     assert not gen.cancelled  # it ended on its own: nothing left to cancel
 
-    live = FakeGenerator([("chunks", [Chunk(1, "a", [5])])])
+    live = FakeGenerator([("chunks", pack_chunks([Chunk(1, "a", [5])]))])
     async with RemoteStream(live, "r3") as stream:
         await stream.__anext__()
     assert live.cancelled  # left before its end (a client gone): the replica's request is cancelled
@@ -259,10 +260,11 @@ async def test_a_full_replica_queue_is_429_and_a_dead_replica_an_error_chunk() -
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_chunks_that_came_in_one_item_are_ready_at_once_and_the_last_final_ends_the_stream() -> None:
     from scheduler.serving.cluster.frontend import RemoteStream
+    from scheduler.serving.cluster.replica import pack_chunks
     from scheduler.types import Chunk
 
-    gen = FakeGenerator([("chunks", [Chunk(1, "a", [5]), Chunk(1, "b", [6])]),
-                         ("chunks", [Chunk(1, "c", [7]), Chunk(1, "", [], "length")])])
+    gen = FakeGenerator([("chunks", pack_chunks([Chunk(1, "a", [5]), Chunk(1, "b", [6])])),
+                         ("chunks", pack_chunks([Chunk(1, "c", [7]), Chunk(1, "", [], "length")]))])
     async with RemoteStream(gen, "r4") as stream:
         assert (await stream.__anext__()).text == "a"
         assert [c.text for c in stream.ready()] == ["b"]  # came with "a": no wait for it

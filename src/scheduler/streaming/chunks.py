@@ -29,11 +29,14 @@ class ChunkOut(Protocol):
 
 
 class _State:
-    __slots__ = ("buffer", "closed", "gone", "waiter")
+    __slots__ = ("buffer", "closed", "final_waiter", "finals", "gone", "waiter")
 
     def __init__(self) -> None:
         self.buffer: deque[Chunk] = deque()
         self.waiter: anyio.Event | None = None
+        self.finals = 0
+        """Final chunks in `buffer`."""
+        self.final_waiter: anyio.Event | None = None
         self.closed = False
         """The sender closed: the receiver gets what is buffered, then EndOfStream."""
         self.gone = False
@@ -43,6 +46,16 @@ class _State:
         waiter, self.waiter = self.waiter, None
         if waiter is not None:
             waiter.set()
+
+    def wake_final(self) -> None:
+        waiter, self.final_waiter = self.final_waiter, None
+        if waiter is not None:
+            waiter.set()
+
+    def took(self, chunk: Chunk) -> Chunk:
+        if chunk.finish_reason is not None:
+            self.finals -= 1
+        return chunk
 
 
 class ChunkSender:
@@ -61,10 +74,14 @@ class ChunkSender:
             raise anyio.ClosedResourceError
         s.buffer.append(chunk)
         s.wake()
+        if chunk.finish_reason is not None:
+            s.finals += 1
+            s.wake_final()
 
     def close(self) -> None:
         self._s.closed = True
         self._s.wake()
+        self._s.wake_final()
 
 
 class ChunkReceiver:
@@ -86,13 +103,22 @@ class ChunkReceiver:
                 raise anyio.EndOfStream
             s.waiter = waiter = anyio.Event()
             await waiter.wait()
-        return s.buffer.popleft()
+        return s.took(s.buffer.popleft())
+
+    async def wait_final(self) -> None:
+        """Return once a final chunk is here or the channel has ended; takes nothing. Chunks that
+        are not final do not wake it: a caller gathering chunks until a deadline waits once, not
+        once per chunk."""
+        s = self._s
+        while not (s.finals or s.closed or s.gone):
+            s.final_waiter = waiter = anyio.Event()
+            await waiter.wait()
 
     def receive_nowait(self) -> Chunk:
         """A chunk already delivered; WouldBlock when there is none yet, EndOfStream at the end."""
         s = self._s
         if s.buffer:
-            return s.buffer.popleft()
+            return s.took(s.buffer.popleft())
         if s.gone:
             raise anyio.ClosedResourceError
         if s.closed:
@@ -102,6 +128,7 @@ class ChunkReceiver:
     def close(self) -> None:
         self._s.gone = True
         self._s.buffer.clear()
+        self._s.finals = 0
 
 
 def chunk_channel() -> tuple[ChunkSender, ChunkReceiver]:
@@ -164,6 +191,9 @@ class SiblingReceiver:
         if self._rest is not None:
             raise anyio.WouldBlock  # the next `receive` submits the rest first
         return self._recv.receive_nowait()
+
+    async def wait_final(self) -> None:
+        await self._recv.wait_final()
 
     def close(self) -> None:
         self._recv.close()

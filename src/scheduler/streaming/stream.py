@@ -117,15 +117,10 @@ class RequestStream:
         (nothing is lost or cancelled by it)."""
         out = self.ready()
         recv = self._recv
-        while recv is not None and not self._done and all(c.finish_reason is None for c in out):
-            with anyio.CancelScope(deadline=deadline) as scope:
-                try:
-                    chunk = await recv.receive()  # takes a chunk only when it returns one
-                except anyio.EndOfStream:
-                    break  # the next __anext__ says so
-            if scope.cancelled_caught:
-                break
-            out.append(self._took(chunk))
+        if recv is not None and not self._done and all(c.finish_reason is None for c in out):
+            # One wait for the whole window: chunks that are not final do not wake it.
+            with anyio.CancelScope(deadline=deadline):
+                await recv.wait_final()
             out += self.ready()
         return out
 

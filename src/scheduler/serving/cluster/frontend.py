@@ -18,7 +18,7 @@ from scheduler import errors
 from scheduler.admission.kvplan import prompt_keys
 from scheduler.request import chat_template_ids
 from scheduler.serving.cluster import grpc_by_default
-from scheduler.serving.cluster.replica import Job, replica_id
+from scheduler.serving.cluster.replica import Job, replica_id, unpack_chunks
 from scheduler.serving.cluster.reports import ReplicaReports
 from scheduler.serving.http import anthropic, responses_api
 from scheduler.serving.http import requests as rq
@@ -113,7 +113,7 @@ class RemoteStream:
         if item[0] == "error":
             self._ended = True
             raise errors.by_name(item[1], item[2])
-        chunks: list[Chunk] = item[1]
+        chunks = unpack_chunks(item[1])
         self._finals_left -= sum(c.finish_reason is not None for c in chunks)
         self._ended = self._finals_left <= 0
         self._here.extend(chunks[1:])

@@ -2,11 +2,12 @@
 Ray actor process. Imports no Ray at module level; `cluster.app` wraps it with `serve.deployment`.
 
 `generate` streams tuples, so the frontend learns which replica serves before the first token:
-("replica", id), then ("chunks", [Chunk, ...])..., or ("error", kind, message) when the scheduler
+("replica", id), then ("chunks", packed)..., or ("error", kind, message) when the scheduler
 refuses the request (bad input, full queue, closing). Each item carries every chunk that had
-arrived by then; under load, a stream's chunks wait for one another (`[cluster]
-stream_messages_per_s`, `stream_interval_s`), as each item costs the same through Ray whatever
-it carries."""
+arrived by then, msgpack-encoded (`pack_chunks`: Serve pickles each item with cloudpickle, which
+walks a list of structs class by class; bytes it copies); under load, a stream's chunks wait for
+one another (`[cluster] stream_messages_per_s`, `stream_interval_s`), as each item costs the
+same through Ray whatever it carries."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from scheduler.api import Scheduler
 from scheduler.errors import SchedulerError
 from scheduler.request import Request  # noqa: TC001 - msgspec needs it at runtime
 from scheduler.serving.cluster.prom import label_replica
+from scheduler.types import Chunk
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -41,6 +43,15 @@ class Job(msgspec.Struct, frozen=True):
 
     request: Request
     keys: tuple[int, ...] = ()
+
+
+pack_chunks = msgspec.msgpack.Encoder().encode
+"""A streamed item's chunks as bytes (`unpack_chunks` reverses it)."""
+_unpack = msgspec.msgpack.Decoder(list[Chunk]).decode
+
+
+def unpack_chunks(data: bytes) -> list[Chunk]:
+    return _unpack(data)
 
 
 def replica_id() -> str:
@@ -115,7 +126,7 @@ class SchedulerReplica:
                     if shown and sent is not None and all(x.finish_reason is None for x in chunks):
                         wait = min(c.stream_interval_s, self._sending / c.stream_messages_per_s)
                         chunks += await stream.ready_by(sent + wait)
-                    yield ("chunks", chunks)
+                    yield ("chunks", pack_chunks(chunks))
                     sent, shown = anyio.current_time(), shown or any(x.text for x in chunks)
         except SchedulerError as exc:
             yield ("error", type(exc).__name__, str(exc))
