@@ -99,7 +99,8 @@ def adapt_precision(
 
         dequantize_model(model)
         done = len(quantized)
-        why = ("MLX's CPU backend runs float32 matmuls faster" if cpu else
+        why = ('[model] dequantize = "yes"' if dequantize == "yes" else
+               "MLX's CPU backend runs float32 matmuls faster" if cpu else
                "a small model runs faster in half precision on CUDA, without kernels to compile"
                " first")
         note = f"dequantized {done} quantized layers: {why}"
