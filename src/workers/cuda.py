@@ -34,7 +34,6 @@ SmolLM2's Q4_1 GGUF had not served its first round after 200 s, build or no buil
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ import mlx.core as mx
 import structlog
 
 from workers.loading.cachedir import cache_root
-from workers.loading.dtypes import Dequantize, cuda_dequantizes, on_cuda
+from workers.loading.dtypes import Dequantize, cuda_dequantizes, model_config, on_cuda
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, MutableMapping
@@ -71,12 +70,8 @@ def graphs_wanted(choice: str, model_dir: Path | None, dequantize: Dequantize = 
         return choice == "on"
     if model_dir is None:
         return False
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    quantized = isinstance(config, dict) and (
-        "quantization" in config or "quantization_config" in config)
+    config = model_config(model_dir)
+    quantized = "quantization" in config or "quantization_config" in config
     return quantized and not cuda_dequantizes(model_dir, dequantize)
 
 

@@ -63,7 +63,7 @@ def cuda_dequantizes(directory: Path | None, dequantize: Dequantize = "auto") ->
         return dequantize == "yes"
     if directory is None:
         return False
-    config = _config(directory)
+    config = model_config(directory)
     quantization = config.get("quantization") or config.get("quantization_config")
     bits = quantization.get("bits") if isinstance(quantization, dict) else None
     if not isinstance(bits, int) or bits <= 0:
@@ -122,7 +122,8 @@ def _target(directory: Path, dtype: DTypeName, cpu: bool) -> str | None:
     return declared if declared in ("float16", "bfloat16") else None
 
 
-def _config(directory: Path) -> dict[str, Any]:
+def model_config(directory: Path) -> dict[str, Any]:
+    """The model's `config.json` ({} when it is missing or not a JSON object)."""
     try:
         config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -131,7 +132,7 @@ def _config(directory: Path) -> dict[str, Any]:
 
 
 def _declared_dtype(directory: Path) -> str | None:
-    config = _config(directory)
+    config = model_config(directory)
     value = config.get("torch_dtype") or config.get("dtype")
     return value if isinstance(value, str) else None
 
