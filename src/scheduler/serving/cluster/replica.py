@@ -47,11 +47,7 @@ class Job(msgspec.Struct, frozen=True):
 
 pack_chunks = msgspec.msgpack.Encoder().encode
 """A streamed item's chunks as bytes (`unpack_chunks` reverses it)."""
-_unpack = msgspec.msgpack.Decoder(list[Chunk]).decode
-
-
-def unpack_chunks(data: bytes) -> list[Chunk]:
-    return _unpack(data)
+unpack_chunks = msgspec.msgpack.Decoder(list[Chunk]).decode
 
 
 def replica_id() -> str:
