@@ -146,7 +146,8 @@ def test_our_prefill_path_finds_what_it_needs(model_cache: Path) -> None:
     assert not missing, _changed(missing)
     old = SimpleNamespace(_generation_batch=SimpleNamespace(_num_tokens=[], _matchers=[]))
     assert missing_prefill_fields(old) == [
-        "GenerationBatch._step", "GenerationBatch._next_logprobs", "BatchGenerator._currently_processing",
+        "GenerationBatch._step", "GenerationBatch._next_logprobs", "BatchGenerator._stream",
+        "BatchGenerator._currently_processing",
     ]
     assert set(missing_prefill_fields(SimpleNamespace())) <= set(PRIVATE_FIELDS)
 

@@ -22,6 +22,8 @@ from workers.batching.maskfree import MaskFreeDecode
 from workers.batching.mlxlm import (
     current_inputs,
     generation_batch,
+    generator_stream,
+    lone_row,
     next_chunks,
     only_joins_next,
     prompt_tokens_done,
@@ -242,6 +244,12 @@ class MLXEngine:
 
     def step(self) -> StepResult:
         gen = self._gen
+        alone = lone_row(gen) if self._prefill is not None else None
+        if alone is not None:
+            # Nothing to plan, prefill or join: the row's step as `stream_generate` takes it.
+            self.mask_free.before_step(gen)
+            with mx.stream(generator_stream(gen)):
+                return self._results(alone.next_alone(), 0)
         sizes = queue_sizes(gen)
         decoding = sizes.decoding
         gen.prefill_step_size, gen.prefill_batch_size = self._budget.plan(
@@ -260,7 +268,10 @@ class MLXEngine:
             # Nothing decodes: the prefilled prompts join (and feed their last token) in this
             # step, not in one of their own, so their first token comes a step sooner.
             gen.next()
-        prefilled = prompt_tokens_done(gen) - before
+        return self._results(responses, prompt_tokens_done(gen) - before)
+
+    def _results(self, responses: list[Any], prefilled: int) -> StepResult:
+        """The step's outcome from mlx-lm's responses; stores the blocks and sessions they end."""
         rids: list[int] = []
         tokens: list[int] = []
         finished: list[int] = []

@@ -28,6 +28,7 @@ PRIVATE_FIELDS: dict[str, str] = {
     "BatchGenerator._counters.prompt_tokens": "prompt tokens prefilled so far: each step's prefill count",
     "BatchGenerator._currently_processing": "prefilling rows' segments left: a lone prompt joins at once",
     "BatchGenerator._unprocessed_sequences[i][1]": "a waiting row's prompt segments: packing short prompts",
+    "BatchGenerator._stream": "the stream its steps run on: a lone row's step, taken without it",
     "GenerationBatch.uids": "which row is which request",
     "GenerationBatch.prompt_cache": "the rows' caches: a finished prompt's KV blocks",
     "GenerationBatch._current_tokens": "the tokens a decode step feeds its rows: grammar rows' matchers",
@@ -81,6 +82,23 @@ def next_chunks(gen: Any) -> Iterator[int]:
         yield len(seq[0][0]) if seq[0] else 0
     for waiting in gen._unprocessed_sequences:
         yield len(waiting[1][0])
+
+
+def lone_row(gen: Any) -> Any:
+    """The generation batch when the generator holds nothing but one decoding row that primes
+    no prompt token and has no logits processors (what `JoiningBatch.next_alone` steps), else
+    None."""
+    batch = gen._generation_batch
+    if len(batch.uids) != 1 or gen._unprocessed_sequences or gen._prompt_batch.uids:
+        return None
+    if batch._priming[0] or (batch.logits_processors and batch.logits_processors[0]):
+        return None
+    return batch
+
+
+def generator_stream(gen: Any) -> Any:
+    """The MLX stream the generator's steps run on."""
+    return gen._stream
 
 
 def prompt_tokens_done(gen: Any) -> int:
@@ -140,6 +158,8 @@ def missing_prefill_fields(gen: Any) -> list[str]:
         f"GenerationBatch.{name}" for name in ("_num_tokens", "_matchers", "_next_logprobs")
         if not isinstance(getattr(batch, name, None), list)
     ]
+    if not hasattr(gen, "_stream"):
+        missing.append("BatchGenerator._stream")
     if not isinstance(getattr(gen, "_currently_processing", None), list):
         missing.append("BatchGenerator._currently_processing")
     if not callable(getattr(generate, "_right_pad_prompts", None)):
