@@ -57,7 +57,7 @@ LOOP = ["handoff", "detokenize", "stop strings", "other on_step", "admission tak
 
 class Clocks:
     """Wall and CPU seconds per phase, summed; `steps` decode steps were counted. The worker's
-    MLX phases count only inside `BatchGenerator.next` (`inside`), the rest of its evals being
+    MLX phases count only inside a step of the generator (`inside`), the rest of its evals being
     the engine's."""
 
     def __init__(self) -> None:
@@ -66,6 +66,8 @@ class Clocks:
         self.cpu: dict[str, float] = defaultdict(float)
         self.steps = 0
         self.loop_cpu = 0.0
+        self.last: tuple[float, float] | None = None
+        """Wall and CPU clocks at the end of the last step."""
 
     def per_step(self) -> dict[str, float]:
         """ms per step of each phase (the derived ones included)."""
@@ -132,6 +134,7 @@ def install(model: Any) -> None:
     import scheduler.admission.core as core
     import scheduler.streaming.detokenize as detok
     import workers.batching.engine as engine
+    from workers.batching.prefill import JoiningBatch
 
     cls = type(model)
     cls.__call__ = timed("forward", cls.__call__, inside=True)
@@ -146,32 +149,34 @@ def install(model: Any) -> None:
     pool.apply_batch = timed("pool", pool.apply_batch)
 
     # Decode steps (a step that output tokens), and the worker's time between two: on the bare
-    # side its loop's own Python, on ours the engine's and the worker's (message, commands).
-    next_ = BatchGenerator.next
+    # side its loop's own Python, on ours the engine's and the worker's (message, commands). A
+    # lone row's step (`JoiningBatch.next_alone`) is the generator's step taken without it.
+    def counted(step: Any, outputs: Any) -> Any:
+        def counted_step(self: Any) -> Any:
+            clocks = CLOCKS
+            if clocks is None:
+                return step(self)
+            t, c = time.perf_counter(), time.thread_time()
+            if clocks.last is not None:
+                clocks.wall["gap"] += t - clocks.last[0]
+                clocks.cpu["gap"] += c - clocks.last[1]
+            clocks.inside = True
+            try:
+                result = step(self)
+            finally:
+                clocks.inside = False
+                end = time.perf_counter()
+                clocks.last = (end, time.thread_time())
+                clocks.wall["next"] += end - t
+                clocks.cpu["next"] += clocks.last[1] - c
+            if outputs(result):
+                clocks.steps += 1
+            return result
 
-    def counted_next(self: Any) -> Any:
-        clocks = CLOCKS
-        if clocks is None:
-            return next_(self)
-        t, c = time.perf_counter(), time.thread_time()
-        last = getattr(self, "_clock_last_end", None)
-        if last is not None:
-            clocks.wall["gap"] += t - last
-            clocks.cpu["gap"] += c - self._clock_last_cpu
-        clocks.inside = True
-        try:
-            result = next_(self)
-        finally:
-            clocks.inside = False
-            self._clock_last_end = end = time.perf_counter()
-            self._clock_last_cpu = time.thread_time()
-            clocks.wall["next"] += end - t
-            clocks.cpu["next"] += time.thread_time() - c
-        if result[1]:
-            clocks.steps += 1
-        return result
+        return counted_step
 
-    BatchGenerator.next = counted_next
+    BatchGenerator.next = counted(BatchGenerator.next, lambda result: result[1])
+    JoiningBatch.next_alone = counted(JoiningBatch.next_alone, bool)
     post = actor.Admission.post
 
     def handoff(self: Any, event: Any) -> None:

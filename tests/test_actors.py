@@ -451,26 +451,39 @@ async def test_a_step_that_fails_to_apply_fails_the_actor_and_no_caller_waits(
     assert [str(e) for e in info.value.exceptions] == ["injected failure applying a step"]
 
 
-async def test_a_step_never_overtakes_a_message_already_handed_to_the_waiting_actor(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("posted", ["step", "grants"])
+async def test_a_post_never_overtakes_a_message_already_handed_to_the_waiting_actor(
+    monkeypatch: pytest.MonkeyPatch, posted: str,
 ) -> None:
     # A message sent to an actor suspended in its receive goes straight to it, not to the
-    # buffer; a step posted before the actor resumes must wait behind it, not be applied first.
+    # buffer; a step or the pool's replies posted (and applied in the poster's callback) before
+    # the actor resumes must wait behind it, not be applied first.
+    from kvpool.messages import PoolReplies
     from scheduler.admission.messages import Cancel
 
     order: list[str] = []
     on_step, cancel = AdmissionCore.on_step, AdmissionCore.cancel
+    on_pool = AdmissionCore.on_pool
+    probe = PoolReplies([], -1, -1)
 
     def record_step(self: AdmissionCore, out: StepOutput, now: float) -> None:
         order.append(f"step {out.step}")
         on_step(self, out, now)
+
+    def record_pool(self: AdmissionCore, msg: PoolReplies, now: float) -> None:
+        if msg is probe:  # answers no batch: recorded, not applied
+            order.append("grants")
+        else:
+            on_pool(self, msg, now)
 
     def record_cancel(self: AdmissionCore, rid: int, now: float) -> None:
         order.append(f"cancel {rid}")
         cancel(self, rid, now)
 
     monkeypatch.setattr(AdmissionCore, "on_step", record_step)
+    monkeypatch.setattr(AdmissionCore, "on_pool", record_pool)
     monkeypatch.setattr(AdmissionCore, "cancel", record_cancel)
+    message = StepOutput(10**6, [], [], [], [], [], 0, 0.0, 0.0) if posted == "step" else probe
     with anyio.fail_after(10):
         async with Scheduler(engine_factory=fake_factory(FakeEngine())) as s:
             await s.complete([1, 2], SamplingParams(max_tokens=3))
@@ -481,7 +494,16 @@ async def test_a_step_never_overtakes_a_message_already_handed_to_the_waiting_ac
             while actor._inbox.statistics().tasks_waiting_receive == 0:  # suspended in receive
                 await anyio.sleep(0.01)
             actor.send.send_nowait(Cancel(12345))  # handed to the waiting actor at once
-            actor.post(StepOutput(10**6, [], [], [], [], [], 0, 0.0, 0.0))
+            actor.post(message)
             while len(order) < 2:
                 await anyio.sleep(0.01)
-    assert order == ["cancel 12345", f"step {10**6}"]
+            behind = list(order)
+            # Once the actor waits again, applied at once, in the poster's callback.
+            order.clear()
+            while actor._inbox.statistics().tasks_waiting_receive == 0:
+                await anyio.sleep(0.01)
+            actor.post(message)
+            applied_at_once = list(order)
+    label = f"step {10**6}" if posted == "step" else "grants"
+    assert behind == ["cancel 12345", label]
+    assert applied_at_once == [label]

@@ -82,10 +82,10 @@ class Admission:
 
     def post(self, event: WorkerEvent | PoolReplies) -> None:
         """Called on the event loop thread by the worker bridge and by the pool."""
-        if isinstance(event, StepOutput) and self._takes_step_now():
-            # The actor waits on an empty inbox: apply the step here, as the actor would next,
-            # and spare a task wake-up per step (a third of the loop's work per token at one
-            # stream).
+        if isinstance(event, StepOutput | PoolReplies) and self._takes_step_now():
+            # The actor waits on an empty inbox: apply the step (or the pool's grants) here, as
+            # the actor would next, and spare a task wake-up (for steps, a third of the loop's
+            # work per token at one stream; for grants, part of every request's TTFT).
             now = time.perf_counter()
             try:
                 handoff = self._handle(event, now)
