@@ -207,3 +207,33 @@ def test_a_burst_of_short_prompts_shares_one_pass(tiny: Any, budget: int) -> Non
     assert firsts == [16 * 16, 4 * 16]
     assert outs[0] == outs[1]
     assert all(len(t) == 5 for t in outs[0].values())
+
+
+def test_a_lone_prompts_prefill_keeps_mlxs_buffer_cache_on_the_cpu(
+    tiny: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # MLX caps its CPU cache at 32 MiB: emptying it after each chunk only made the first decode
+    # steps allocate afresh (see `keeps_cache`).
+    import mlx.core as mx
+
+    assert mx.default_device().type == mx.DeviceType.cpu
+    cleared = [0]
+    clear = mx.clear_cache
+
+    def counted() -> None:
+        cleared[0] += 1
+        clear()
+
+    monkeypatch.setattr(mx, "clear_cache", counted)
+    out: dict[int, list[int]] = {}
+    for ours in (True, False):
+        cleared[0] = 0
+        e = engine(tiny, ours)
+        e.insert([Admit(rid=1, prompt=list(range(3, 200)), max_tokens=4, sampling=SamplingSpec(),
+                        stop_token_ids=())])
+        out[ours] = []
+        while e.has_work():
+            out[ours] += e.step().tokens
+        e.close()
+        assert (cleared[0] == 0) == ours, cleared  # mlx-lm empties it after every chunk
+    assert out[True] == out[False] and len(out[True]) == 4
