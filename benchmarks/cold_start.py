@@ -1,5 +1,6 @@
 """A fresh process's first requests: what MLX's kernel compilation costs them, with and without
-the scheduler building a quantized model's kernels while it loads (`workers.cuda.warm_kernels`).
+the scheduler building kernels while it loads (`workers.cuda.warm_kernels` for a quantized model's
+matmuls, `workers.cuda.warm_engine`'s few short requests for every model).
 
 Each variant runs in a process of its own with an empty kernel directory (`MLX_PTX_CACHE_DIR`),
 so every kernel MLX compiles is compiled there: `warm` is the scheduler as it ships, `cold` the
@@ -38,6 +39,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.child == "cold":
         workers.factory.warm_kernels = lambda model: 0.0
+        workers.factory.warm_engine = lambda engine, vocab_size: 0.0
     config = SchedulerConfig.from_toml(
         f'[model]\npath = "{args.model}"\n[worker]\nmax_batch = {args.max_batch}\n'
         f'[kvpool]\nmemory = "{args.memory}"\n'.encode())

@@ -26,7 +26,10 @@ Q4_1 GGUF, 256 requests at once) the first round took 45 s with every TTFT above
 on disk. The scheduler points `MLX_PTX_CACHE_DIR` into its own cache (one directory per MLX
 version), so the build is paid once per machine and cache, as the models are, and it builds a
 quantized model's kernels while the model loads (`warm_kernels`), before any request waits;
-replicas on one host take turns (`kernels_locked`). Small quantized models no longer need those
+replicas on one host take turns (`kernels_locked`). Every model's engine then serves a few short
+requests before any user does (`warm_engine`): the kernels of prefill, decode and sampling that
+every model needs (on that H200, five of them, 7-8 s of a fresh process's first round).
+Small quantized models no longer need those
 kernels: on CUDA they are dequantized at load (`workers.loading.dtypes`), since on a fresh H200
 SmolLM2's Q4_1 GGUF had not served its first round after 200 s, build or no build.
 """
@@ -44,9 +47,12 @@ import structlog
 
 from workers.loading.cachedir import cache_root
 from workers.loading.dtypes import Dequantize, cuda_dequantizes, model_config, on_cuda
+from workers.messages import Admit, SamplingSpec
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, MutableMapping
+
+    from workers.batching.contract import Engine
 
 log = structlog.get_logger(__name__)
 
@@ -106,6 +112,38 @@ WARM_ROWS = (1, 8)
 WARM_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 """The shapes `warm_kernels` runs: MLX picks a quantized matmul's kernel (and its tile) by the
 product's rows, a decode step's batch (folded into rows) or a prefill chunk's tokens."""
+
+
+WARM_STEPS_LIMIT = 200
+"""More engine steps than the warm-up's requests can need; a guard, never reached."""
+
+
+def warm_engine(engine: Engine, vocab_size: int) -> float:
+    """Serve a few short requests through `engine` before any user does, so that MLX compiles the
+    kernels of the paths every server takes soon (prompts of two lengths prefilled together, a
+    masked and a mask-free decode step, a lone row's step, the greedy and the sampling samplers,
+    log-probabilities) while the model loads, not under the first requests; its seconds. The
+    requests keep no KV (no prefix blocks, no session), so the pool's books stay as they are."""
+    start = time.perf_counter()
+    top = max(3, min(vocab_size, 200))
+    greedy = SamplingSpec()
+    sampled = SamplingSpec(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=0)
+    engine.insert([
+        Admit(-1, [1 + i % (top - 1) for i in range(24)], 6, greedy, (), logprobs=2),
+        Admit(-2, [1 + i % (top - 1) for i in range(9)], 4, sampled, ()),
+    ])
+    steps = 0
+    while engine.has_work() and steps < WARM_STEPS_LIMIT:
+        engine.step()
+        steps += 1
+        if steps == 2:
+            engine.insert([Admit(-3, [2, 3, 4], 3, greedy, ())])  # joins rows that decode
+    engine.insert([Admit(-4, [5, 6, 7, 8], 3, greedy, ())])  # alone
+    while engine.has_work() and steps < 2 * WARM_STEPS_LIMIT:
+        engine.step()
+        steps += 1
+    engine.remove(engine.rids())
+    return time.perf_counter() - start
 
 
 def warm_kernels(model: Any) -> float:

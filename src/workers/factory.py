@@ -18,7 +18,7 @@ from workers.batching.hostpad import unavailable as host_padding_unavailable
 from workers.batching.mlxlm import hf_tokenizer, keep_leading_space
 from workers.batching.quantfold import fold_decode_batch
 from workers.blas import BlasState, blas_state
-from workers.cuda import KERNELS, apply_cuda_defaults, kernels_locked, warm_kernels
+from workers.cuda import KERNELS, apply_cuda_defaults, kernels_locked, warm_engine, warm_kernels
 from workers.loading.dtypes import Dequantize, DTypeName, Precision, on_cuda, quantized_layers
 from workers.loading.models import ModelInfo, load, model_info, resolve_model
 from workers.loading.streamdetok import RustDetokenizer, rust_detokenizer
@@ -134,6 +134,11 @@ def mlx_engine_factory(
             block_tokens=block_tokens,
             grammar=grammar,
         )
+        if on_cuda():
+            with kernels_locked(os.environ.get(KERNELS)):
+                seconds = round(warm_engine(engine, info.vocab_size), 1)
+            log.info("cuda_engine_warmed", seconds=seconds,
+                     note="a few short requests compiled the kernels of the first requests' paths")
         loaded = Loaded(
             info, TokenizerCodec(tokenizer), device_memory(), dense_step=KVCache.step,
             kv_reuse=engine.reuses_kv, sessions=engine.support.sessions,
