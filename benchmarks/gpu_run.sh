@@ -49,9 +49,10 @@
 #               TP_MAX_TOKENS and TP_REPEAT lengthen (b)'s rounds (64 tokens: a round of 2-4 s, too
 #               short to pin the two-replica ratio down within 10%)
 #   cold-start  benchmarks/cold_start.py: a fresh process's first rounds (256 requests at once) with an
-#               empty kernel directory, with and without the load-time kernel build, then a second
-#               process on the built directory (for quantized models: MODELS=smollm2-135m; give it
-#               LIMIT_S=600: each variant may take a third of it, and a cold build took 45-140 s)
+#               empty kernel directory, with and without the load-time kernel build (a quantized
+#               model's matmuls, every model's engine warm-up), then a second process on the built
+#               directory (MODELS=smollm2-135m for the real model; give it LIMIT_S=600 when it stays
+#               quantized: each variant may take a third of it, and a cold build took 45-140 s)
 #   stall       benchmarks/stall.py: the closed loop of prompts of 64-512 tokens at $STALL_CONC streams
 #               (32 64), 48 tokens each, $STALL_S (10) s a run, $REPEAT (2) rounds, for each of
 #               $STALL_VARIANTS (default "0 auto"; flags such as 0:queued, 0:mlxpad: stall.py's header);
