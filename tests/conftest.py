@@ -3,7 +3,7 @@ from __future__ import annotations
 import gc
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import structlog
@@ -39,6 +39,15 @@ def _quiet_structlog() -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     _quiet_structlog()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_cache: Path) -> Any:
+    """`synthetic:tiny`'s model, loaded once per session (tests only run it)."""
+    from workers.loading.models import load_model
+
+    model, _ = load_model("synthetic:tiny", model_cache)
+    return model
 
 
 @pytest.fixture(autouse=True)

@@ -14,22 +14,14 @@ import workers.batching.engine as engine_mod
 from workers.batching.engine import MLXEngine
 from workers.batching.mlxlm import queue_sizes
 from workers.batching.prefill import JoiningBatch
-from workers.loading.models import load_model
 from workers.messages import Admit, Processing, SamplingSpec
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-    from pathlib import Path
 
 pytestmark = pytest.mark.integration
 GREEDY = SamplingSpec()
 SAMPLED = SamplingSpec(temperature=0.9, top_p=0.95, seed=7)
-
-
-@pytest.fixture(scope="module")
-def tiny(model_cache: Path) -> Any:
-    model, _ = load_model("synthetic:tiny", model_cache)
-    return model
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -93,14 +85,14 @@ def script(stop: int) -> dict[int, list[Admit]]:
     }
 
 
-def test_a_lone_row_gets_what_the_batch_path_gives(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_lone_row_gets_what_the_batch_path_gives(tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     with monkeypatch.context() as m:
-        first = Run(tiny, False, m)(script(stop=-1))
+        first = Run(tiny_model, False, m)(script(stop=-1))
     stop = first[3]["tokens"][5]  # a token C really samples, so that it stops
     with monkeypatch.context() as m:
-        batch = Run(tiny, False, m)(script(stop))
+        batch = Run(tiny_model, False, m)(script(stop))
     with monkeypatch.context() as m:
-        run = Run(tiny, True, m)
+        run = Run(tiny_model, True, m)
         alone = run(script(stop))
     assert alone == batch
     assert batch[1]["reason"] == "length" and len(batch[1]["tokens"]) == 30
@@ -111,23 +103,23 @@ def test_a_lone_row_gets_what_the_batch_path_gives(tiny: Any, monkeypatch: pytes
     assert sum(taken for _, taken in run.lone_steps) >= 40
 
 
-def test_a_row_with_logits_processors_takes_the_batch_path(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_row_with_logits_processors_takes_the_batch_path(tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     penalised = Admit(1, prompt(30, 5), 16, GREEDY, (), processing=Processing(repetition_penalty=1.5))
     with monkeypatch.context() as m:
-        run = Run(tiny, True, m)
+        run = Run(tiny_model, True, m)
         alone = run({0: [penalised]})
     with monkeypatch.context() as m:
-        batch = Run(tiny, False, m)({0: [penalised]})
+        batch = Run(tiny_model, False, m)({0: [penalised]})
     assert alone == batch and len(alone[1]["tokens"]) == 16
     assert any(alone for alone, _ in run.lone_steps)
     assert not any(taken for _, taken in run.lone_steps)
 
 
-def test_a_session_keeps_the_same_kv_after_a_lone_row_finishes(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_session_keeps_the_same_kv_after_a_lone_row_finishes(tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     kept = []
     for lone in (True, False):
         with monkeypatch.context() as m:
-            run = Run(tiny, lone, m)
+            run = Run(tiny_model, lone, m)
             run({0: [Admit(1, prompt(40, 6), 20, GREEDY, (), session="s")]})
             assert run.engine._store is not None
             taken = run.engine._store.take_session("s")

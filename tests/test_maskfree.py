@@ -47,12 +47,6 @@ def run(model: object, admits: list[Admit], mask_free: bool) -> tuple[dict[int, 
     return out, engine.mask_free
 
 
-@pytest.fixture(scope="module")
-def tiny(model_cache: Path) -> object:
-    model, _ = load_model("synthetic:tiny", model_cache)
-    return model
-
-
 @pytest.mark.parametrize(
     ("case", "lengths", "max_tokens"),
     [
@@ -64,15 +58,15 @@ def tiny(model_cache: Path) -> object:
 )
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_mask_free_decode_gives_the_masked_tokens(
-    tiny: object, case: str, lengths: list[int], max_tokens: list[int], sampling: str
+    tiny_model: object, case: str, lengths: list[int], max_tokens: list[int], sampling: str
 ) -> None:
     admits = [
         Admit(rid=i, prompt=prompt(i, n), max_tokens=m, stop_token_ids=(),
               sampling=GREEDY if sampling == "greedy" else seeded(100 + i))
         for i, (n, m) in enumerate(zip(lengths, max_tokens, strict=True))
     ]
-    fast, on = run(tiny, admits, mask_free=True)
-    slow, off = run(tiny, admits, mask_free=False)
+    fast, on = run(tiny_model, admits, mask_free=True)
+    slow, off = run(tiny_model, admits, mask_free=False)
     assert fast == slow
     assert [len(fast[a.rid]) for a in admits] == max_tokens
     assert on.mask_free_steps > 0 and off.mask_free_steps == 0
@@ -81,31 +75,31 @@ def test_mask_free_decode_gives_the_masked_tokens(
     assert on.masked_steps == {"one row": 0, "equal lengths": 0, "padding trimmed": 6}[case]
 
 
-def test_left_padded_rows_keep_the_mask(tiny: object) -> None:
+def test_left_padded_rows_keep_the_mask(tiny_model: object) -> None:
     admits = [Admit(rid=i, prompt=prompt(i, n), max_tokens=12, sampling=GREEDY, stop_token_ids=())
               for i, n in enumerate([5, 30])]
-    fast, on = run(tiny, admits, mask_free=True)
-    slow, _ = run(tiny, admits, mask_free=False)
+    fast, on = run(tiny_model, admits, mask_free=True)
+    slow, _ = run(tiny_model, admits, mask_free=False)
     assert fast == slow
     assert on.mask_free_steps == 0 and on.masked_steps > 0
 
 
-def test_one_row_equals_stream_generate(tiny: object, model_cache: Path) -> None:
+def test_one_row_equals_stream_generate(tiny_model: object, model_cache: Path) -> None:
     from mlx_lm import stream_generate
 
     _, tokenizer = load_model("synthetic:tiny", model_cache)
     p = prompt(5, 33)
-    ref = [r.token for r in stream_generate(tiny, tokenizer, mx.array(p), max_tokens=48)]
-    out, on = run(tiny, [Admit(rid=0, prompt=p, max_tokens=48, sampling=GREEDY,
+    ref = [r.token for r in stream_generate(tiny_model, tokenizer, mx.array(p), max_tokens=48)]
+    out, on = run(tiny_model, [Admit(rid=0, prompt=p, max_tokens=48, sampling=GREEDY,
                                stop_token_ids=tuple(tokenizer.eos_token_ids))], mask_free=True)
     assert out[0] == [t for t in ref if t not in tokenizer.eos_token_ids]
     assert on.mask_free_steps > 0
 
 
-def test_mlx_lm_still_has_what_mask_free_decode_relies_on(tiny: object) -> None:
+def test_mlx_lm_still_has_what_mask_free_decode_relies_on(tiny_model: object) -> None:
     """If this fails after an mlx-lm upgrade, re-check src/workers/maskfree.py against it."""
     assert check_mlx_lm() is None
-    engine = MLXEngine(tiny, vocab_size=256, max_batch=2, prefill_batch=2, prefill_step=64,
+    engine = MLXEngine(tiny_model, vocab_size=256, max_batch=2, prefill_batch=2, prefill_step=64,
                        step_token_budget=0)
     assert check_mlx_lm(engine._gen) is None
     engine.close()

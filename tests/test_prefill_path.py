@@ -12,19 +12,12 @@ import pytest
 from workers.batching.budget import AUTO_MIN_CAP
 from workers.batching.engine import MLXEngine
 from workers.batching.mlxlm import generation_batch
-from workers.loading.models import load_model
 from workers.messages import Admit, SamplingSpec
 
 if TYPE_CHECKING:
     from pathlib import Path
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def tiny(model_cache: Path) -> Any:
-    model, _ = load_model("synthetic:tiny", model_cache)
-    return model
 
 
 def workload(n: int, seed: int = 0) -> list[Admit]:
@@ -68,28 +61,28 @@ def run(e: MLXEngine, admits: list[Admit], extra: list[tuple[bool, int]] | None 
 
 
 @pytest.mark.parametrize("queue_chunks", [True, False])
-def test_our_prefill_path_gives_mlx_lms_tokens(tiny: Any, queue_chunks: bool) -> None:
+def test_our_prefill_path_gives_mlx_lms_tokens(tiny_model: Any, queue_chunks: bool) -> None:
     admits = workload(16)
-    ours = run(engine(tiny, True, queue_chunks=queue_chunks), admits)
-    theirs = run(engine(tiny, False), admits)
+    ours = run(engine(tiny_model, True, queue_chunks=queue_chunks), admits)
+    theirs = run(engine(tiny_model, False), admits)
     assert ours == theirs
     assert [len(ours[a.rid]) for a in admits] == [a.max_tokens for a in admits]
 
 
-def test_joining_rows_take_no_forward_pass_of_their_own(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_joining_rows_take_no_forward_pass_of_their_own(tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = [0]
-    forward = type(tiny).__call__
+    forward = type(tiny_model).__call__
 
     def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(tiny), "__call__", counted)
+    monkeypatch.setattr(type(tiny_model), "__call__", counted)
     admits = workload(16, seed=1)
     ours: list[tuple[bool, int]] = []
     theirs: list[tuple[bool, int]] = []
-    run(engine(tiny, True), admits, ours, calls)
-    run(engine(tiny, False), admits, theirs, calls)
+    run(engine(tiny_model, True), admits, ours, calls)
+    run(engine(tiny_model, False), admits, theirs, calls)
     # While rows decode, our steps are a decode pass and a prefill chunk at most; mlx-lm's steps
     # that join prompts also run the joining rows alone once. With nothing decoding there is no
     # pass to share, and prompts that join feed their last token at once (one pass), as mlx-lm's.
@@ -99,8 +92,8 @@ def test_joining_rows_take_no_forward_pass_of_their_own(tiny: Any, monkeypatch: 
     assert {n for decoding, n in ours if not decoding} == {0, 1}
 
 
-def test_a_row_removed_while_it_joins_leaves_nothing_behind(tiny: Any) -> None:
-    e = engine(tiny, True, budget=0)
+def test_a_row_removed_while_it_joins_leaves_nothing_behind(tiny_model: Any) -> None:
+    e = engine(tiny_model, True, budget=0)
     admits = workload(8, seed=2)
     e.insert(admits)
     out: dict[int, list[int]] = {a.rid: [] for a in admits}
@@ -120,8 +113,8 @@ def test_a_row_removed_while_it_joins_leaves_nothing_behind(tiny: Any) -> None:
     assert e.held() == 0 and e.rids() == []
 
 
-def test_the_default_budget_bounds_every_step_that_others_decode_in(tiny: Any) -> None:
-    e = MLXEngine(tiny, vocab_size=256, max_batch=6, prefill_batch=4, prefill_step=64)  # "auto"
+def test_the_default_budget_bounds_every_step_that_others_decode_in(tiny_model: Any) -> None:
+    e = MLXEngine(tiny_model, vocab_size=256, max_batch=6, prefill_batch=4, prefill_step=64)  # "auto"
     admits = workload(16, seed=3)
     e.insert(admits[:6])
     later = admits[6:]
@@ -183,7 +176,7 @@ def test_a_bad_prefill_chunks_setting_is_named() -> None:
 
 
 @pytest.mark.parametrize("budget", [0, 24])
-def test_a_burst_of_short_prompts_shares_one_pass(tiny: Any, budget: int) -> None:
+def test_a_burst_of_short_prompts_shares_one_pass(tiny_model: Any, budget: int) -> None:
     # 4 prompts of 64 tokens a pass: 256 tokens, so 16 prompts of 16 tokens (and their last
     # token, fed when they join) share the first pass instead of four passes of 4.
     rng = random.Random(4)
@@ -191,7 +184,7 @@ def test_a_burst_of_short_prompts_shares_one_pass(tiny: Any, budget: int) -> Non
                     sampling=SamplingSpec(), stop_token_ids=()) for i in range(24)]
     outs, firsts = [], []
     for pack in (True, False):
-        e = MLXEngine(tiny, vocab_size=256, max_batch=24, prefill_batch=4, prefill_step=64,
+        e = MLXEngine(tiny_model, vocab_size=256, max_batch=24, prefill_batch=4, prefill_step=64,
                       step_token_budget=budget, pack_prompts=pack)
         e.insert(admits)
         out: dict[int, list[int]] = {a.rid: [] for a in admits}
@@ -210,7 +203,7 @@ def test_a_burst_of_short_prompts_shares_one_pass(tiny: Any, budget: int) -> Non
 
 
 def test_a_lone_prompts_prefill_keeps_mlxs_buffer_cache_on_the_cpu(
-    tiny: Any, monkeypatch: pytest.MonkeyPatch,
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # MLX caps its CPU cache at 32 MiB: emptying it after each chunk only made the first decode
     # steps allocate afresh (see `keeps_cache`).
@@ -228,7 +221,7 @@ def test_a_lone_prompts_prefill_keeps_mlxs_buffer_cache_on_the_cpu(
     out: dict[int, list[int]] = {}
     for ours in (True, False):
         cleared[0] = 0
-        e = engine(tiny, ours)
+        e = engine(tiny_model, ours)
         e.insert([Admit(rid=1, prompt=list(range(3, 200)), max_tokens=4, sampling=SamplingSpec(),
                         stop_token_ids=())])
         out[ours] = []

@@ -12,19 +12,12 @@ from structlog.testing import capture_logs
 import workers.factory as factory
 from workers.batching.engine import MLXEngine
 from workers.cuda import warm_engine
-from workers.loading.models import load_model
 from workers.messages import Admit, SamplingSpec
 
 if TYPE_CHECKING:
     from pathlib import Path
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def tiny(model_cache: Path) -> Any:
-    model, _ = load_model("synthetic:tiny", model_cache)
-    return model
 
 
 def engine(model: Any, max_batch: int = 8) -> MLXEngine:
@@ -48,12 +41,12 @@ def serve(e: MLXEngine) -> dict[int, list[int]]:
 
 
 @pytest.mark.parametrize("max_batch", [8, 1])
-def test_the_warm_up_ends_its_requests_keeps_no_kv_and_changes_nothing_after(tiny: Any, max_batch: int) -> None:
-    warmed = engine(tiny, max_batch)
+def test_the_warm_up_ends_its_requests_keeps_no_kv_and_changes_nothing_after(tiny_model: Any, max_batch: int) -> None:
+    warmed = engine(tiny_model, max_batch)
     assert warm_engine(warmed, 256) > 0
     assert not warmed.has_work() and warmed.held() == 0 and warmed.rids() == []
     assert warmed._store is not None and len(warmed._store) == 0  # no prefix block, no session
-    fresh = engine(tiny, max_batch)
+    fresh = engine(tiny_model, max_batch)
     assert serve(warmed) == serve(fresh)
     assert len(warmed._store) == len(fresh._store) == 2  # the blocks the first request kept
 
