@@ -99,7 +99,7 @@ def test_a_lone_row_gets_what_the_batch_path_gives(tiny_model: Any, monkeypatch:
     assert batch[3]["reason"] == "stop" and stop not in batch[3]["tokens"]
     assert len(batch[4]["logprobs"]) == 12 and all(len(ids) == 2 for _, ids in batch[4]["logprobs"])
     # Taken exactly when one row was decoding and nothing else was held before the step.
-    assert [alone for alone, _ in run.lone_steps] == [taken for _, taken in run.lone_steps]
+    assert [held_one for held_one, _ in run.lone_steps] == [taken for _, taken in run.lone_steps]
     assert sum(taken for _, taken in run.lone_steps) >= 40
 
 
@@ -111,7 +111,7 @@ def test_a_row_with_logits_processors_takes_the_batch_path(tiny_model: Any, monk
     with monkeypatch.context() as m:
         batch = Run(tiny_model, False, m)({0: [penalised]})
     assert alone == batch and len(alone[1]["tokens"]) == 16
-    assert any(alone for alone, _ in run.lone_steps)
+    assert any(held_one for held_one, _ in run.lone_steps)
     assert not any(taken for _, taken in run.lone_steps)
 
 
