@@ -28,7 +28,7 @@ from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
 from workers.batching.hostpad import host_padded, merged_padding
 from workers.batching.mlxlm import missing_prefill_fields
-from workers.loading.dtypes import on_cuda
+from workers.loading.dtypes import on_cpu, on_cuda
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -179,19 +179,24 @@ class JoiningBatch(GenerationBatch):
         mx.async_eval(self._tokens_ahead, self._next_logprobs)  # type: ignore[no-untyped-call]
         token: int = inputs.item()
         self.tokens[0].append(token)
-        self._num_tokens[0] += 1
-        reason = "length" if self._num_tokens[0] >= self.max_tokens[0] else None
-        if self._matchers[0].advance(token):
-            reason = "stop"
-        done = reason is not None
-        response = self.Response(
-            uid=self.uids[0], token=token, logprobs=current, finish_reason=reason,
-            prompt_cache=self.extract_cache(0) if done else None,
-            all_tokens=self.tokens[0] if done else None,
-        )
-        if done:
+        response = self._respond(0, token, current)
+        if response.finish_reason is not None:
             self.filter([])
         return [response]
+
+    def _respond(self, i: int, token: int, logprobs: Any) -> Any:
+        """Row `i`'s response to the token it just sampled, as mlx-lm's `next` makes it: counted
+        against its `max_tokens`, checked by its stop matcher, with its cache when it ends."""
+        self._num_tokens[i] += 1
+        reason = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
+        if self._matchers[i].advance(token):
+            reason = "stop"
+        done = reason is not None
+        return self.Response(
+            uid=self.uids[i], token=token, logprobs=logprobs, finish_reason=reason,
+            prompt_cache=self.extract_cache(i) if done else None,
+            all_tokens=self.tokens[i] if done else None,
+        )
 
     def next(self) -> list[Any]:
         if not any(self._priming):
@@ -200,22 +205,14 @@ class JoiningBatch(GenerationBatch):
         tokens, logprobs = self._step()
         keep: list[int] = []
         responses = []
-        for i, uid in enumerate(self.uids):
+        for i in range(len(self.uids)):
             if self._priming[i]:
                 self._priming[i] = False
                 keep.append(i)
                 continue
-            self._num_tokens[i] += 1
-            reason = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
-            if self._matchers[i].advance(tokens[i]):
-                reason = "stop"
-            done = reason is not None
-            responses.append(self.Response(
-                uid=uid, token=tokens[i], logprobs=logprobs[i], finish_reason=reason,
-                prompt_cache=self.extract_cache(i) if done else None,
-                all_tokens=self.tokens[i] if done else None,
-            ))
-            if not done:
+            response = self._respond(i, tokens[i], logprobs[i])
+            responses.append(response)
+            if response.finish_reason is None:
                 keep.append(i)
         if len(keep) < len(self.uids):
             self.filter(keep)
@@ -232,7 +229,7 @@ def keeps_cache() -> bool:
     the cache at 32 MiB, so keeping it bounds nothing worth bounding, and emptying it made the
     prompt's first decode steps allocate afresh: a lone 128-token prompt's first token came
     0.3 ms later (`synthetic:tiny`, 2-core CPU, 4.7 ms against 4.4)."""
-    return on_cuda() or mx.default_device().type == mx.DeviceType.cpu
+    return on_cuda() or on_cpu()
 
 
 def install(gen: Any) -> PipelinedPrefill | None:
