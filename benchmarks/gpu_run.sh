@@ -59,6 +59,8 @@
 #               $STALL_ARGS adds options ("--max-tokens 96 --max-tokens-min 16": varied output lengths)
 #   mixed-step  benchmarks/mixed_step.py: a prefill chunk inside the decode step's forward pass
 #               against the two passes apart, host build and wall ms ($MIXED_CHUNKS, prompts x tokens)
+#   side-stream benchmarks/side_stream.py: a prefill chunk ($SIDE_CHUNKS, prompts x tokens) queued on the
+#               decode's stream or on a stream of its own beside a pipelined decode of 64 rows
 #   served      benchmarks/peers.py at 1 8 64: our server over HTTP beside the in-process
 #               scheduler and mlx_lm.server, one client for all (the served path should keep >= 0.97x of in-process at 64)
 #   served-8b   the same for Llama-3.1-8B's shape (benchmarks/shapes.py builds it, ~16 GB, once),
@@ -109,6 +111,11 @@ for s in "${stages[@]}"; do
         timeout "$limit" python3 -P benchmarks/mixed_step.py --model "$(spec "$m")" --rows ${MIXED_ROWS:-64} \
           --held 256 --chunks ${MIXED_CHUNKS:-8x512 4x512 8x128 1x256} --steps 20 --repeat ${REPEAT:-2} \
           --out "$out/mixed-step-$m.json" ;;
+      side-stream)
+        for c in ${SIDE_CHUNKS:-8x512 4x256}; do
+          timeout "$limit" python3 -P benchmarks/side_stream.py --model "$(spec "$m")" --rows ${MIXED_ROWS:-64} \
+            --chunk "$c" --steps 40 --at 10 --repeat ${REPEAT:-3} --out "$out/side-stream-$m-$c.json"
+        done ;;
       served)
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency ${SERVED_CONC:-1 8 64} \
           --warmup 1 --repeat ${REPEAT:-1} --backends ${SERVED_BACKENDS:-scheduler served mlx_lm.server} \

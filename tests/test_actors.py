@@ -507,3 +507,56 @@ async def test_a_post_never_overtakes_a_message_already_handed_to_the_waiting_ac
     label = f"step {10**6}" if posted == "step" else "grants"
     assert behind == ["cancel 12345", label]
     assert applied_at_once == [label]
+
+
+async def test_a_request_reaches_the_worker_from_its_callers_task_unless_it_has_a_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # While the admission actor and the pool wait on empty inboxes, a request is queued, granted
+    # its blocks and handed to the worker within its caller's task (no actor wake-up on its way);
+    # a request with a deadline goes through the actor, whose timer must learn of it. Both run.
+    sent_from: dict[int, object] = {}
+    send = GPUWorker.send
+
+    def record(self: GPUWorker[Loaded], command: object) -> None:
+        if isinstance(command, Admit):
+            sent_from[command.rid] = anyio.get_current_task().id
+        send(self, command)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(GPUWorker, "send", record)
+    with anyio.fail_after(10):
+        async with Scheduler(engine_factory=fake_factory(FakeEngine())) as s:
+            await s.complete([3], SamplingParams(max_tokens=1))  # the actors are in their loops
+            sent_from.clear()
+            outputs, callers = [], []
+            for timeout in (None, 30.0, None):
+                await wait_idle(s)
+                callers.append(anyio.get_current_task().id)
+                outputs.append((await s.complete([1, 2], SamplingParams(max_tokens=4), timeout=timeout)).token_ids)
+            await wait_idle(s)
+    assert outputs == [expected([1, 2], 4)] * 3
+    assert [sent_from[rid] == caller for rid, caller in zip(sorted(sent_from), callers, strict=True)] == [
+        True, False, True]
+
+
+async def test_the_pool_answers_within_send_while_it_waits_and_queues_otherwise() -> None:
+    from kvpool.books import BlockBooks
+    from kvpool.messages import Granted, PoolBatch, PoolReplies, Reserve
+    from kvpool.pool import Pool
+
+    pool = Pool(BlockBooks(8, 16, 512))
+    got: list[tuple[int, PoolReplies]] = []
+    batch = PoolBatch([Reserve(7, 2, [], None, None, 0)])
+    pool.send(batch)  # not running yet: queued, answered once it runs
+    assert got == []
+    async with anyio.create_task_group() as tg:
+        await tg.start(pool.run, lambda r: got.append((len(got), r)))
+        with anyio.fail_after(5):
+            while not got:
+                await anyio.sleep(0.001)
+        pool.send(PoolBatch([Reserve(8, 3, [], None, None, 0)]))
+        answered_within_send = len(got) == 2
+        tg.cancel_scope.cancel()
+    assert answered_within_send
+    assert [(r.replies[0].rid, r.replies[0].blocks, r.free) for _, r in got] == [(7, 2, 6), (8, 3, 3)]
+    assert all(isinstance(r.replies[0], Granted) for _, r in got)

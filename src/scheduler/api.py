@@ -362,14 +362,21 @@ class Scheduler:
         check_length(len(tokens), request.params.max_tokens, self.model.info.context_length)
         self._check_running()
         assert self._admission is not None
-        reply_send, reply_recv = anyio.create_memory_object_stream[int | SchedulerError](1)
         msg = Submit(request, tokens, submitted_at, stream, index)
+        result = self._admission.submit_now(msg, out)
+        if result is None:  # the actor takes it
+            result = await self._via_actor(msg, out)
+        if isinstance(result, SchedulerError):
+            raise result
+        return result
+
+    async def _via_actor(self, msg: Submit, out: ChunkOut) -> int | SchedulerError:
+        assert self._admission is not None
+        reply_send, reply_recv = anyio.create_memory_object_stream[int | SchedulerError](1)
         self._admission.send.send_nowait(SubmitEnvelope(msg, reply_send, out))
         with reply_recv, anyio.CancelScope(shield=True):
             # Shielded: once submitted, we must learn the id to be able to cancel it.
             result = await reply_recv.receive()
-        if isinstance(result, SchedulerError):
-            raise result
         return result
 
     async def submit_tokens(

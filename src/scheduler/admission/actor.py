@@ -17,7 +17,8 @@ import anyio.lowlevel
 
 from kvpool.messages import PoolReplies
 from scheduler.admission.core import AdmissionCore
-from scheduler.admission.messages import Cancel, Close, DropSession, SubmitEnvelope, WorkerCmd
+from scheduler.admission.messages import Cancel, Close, DropSession, Submit, SubmitEnvelope, WorkerCmd
+from scheduler.errors import SchedulerClosed, SchedulerError
 from workers.bridge import LoopCaller
 from workers.messages import Admit, StepOutput, WorkerEvent, WorkerFailed
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from scheduler.admission.live import Counters
     from scheduler.admission.plan import Plan
     from scheduler.policy import Policy
+    from scheduler.streaming.chunks import ChunkOut
     from scheduler.streaming.detokenize import Codec
 
 
@@ -82,7 +84,7 @@ class Admission:
 
     def post(self, event: WorkerEvent | PoolReplies) -> None:
         """Called on the event loop thread by the worker bridge and by the pool."""
-        if isinstance(event, StepOutput | PoolReplies) and self._takes_step_now():
+        if isinstance(event, StepOutput | PoolReplies) and self._waiting():
             # The actor waits on an empty inbox: apply the step (or the pool's grants) here, as
             # the actor would next, and spare a task wake-up (for steps, a third of the loop's
             # work per token at one stream; for grants, part of every request's TTFT).
@@ -101,10 +103,29 @@ class Admission:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             pass  # the actor has finished: nothing is live any more
 
-    def _takes_step_now(self) -> bool:
+    def submit_now(self, msg: Submit, out: ChunkOut) -> int | SchedulerError | None:
+        """Queue a request within the caller's task, as the actor would next: its id, or the
+        error to raise in the caller; None when the actor must take it (`SubmitEnvelope`): it is
+        busy, or the request has a deadline, which its timer must learn of. Spares the request
+        two task wake-ups (the actor's and the caller's) on its way to the worker."""
+        if msg.request.timeout is not None or not self._waiting():
+            return None
+        now = time.perf_counter()
+        result: int | SchedulerError = SchedulerClosed("the scheduler failed")
+        try:
+            result = self.core.submit(msg, out, now)
+            if isinstance(result, int):
+                self._apply(self.core.take(now))
+        except Exception as exc:  # the actor's task fails with it, and ends the request too
+            self.send.send_nowait(_Failed(exc))
+        if not isinstance(result, int):
+            out.close()
+        return result
+
+    def _waiting(self) -> bool:
         """The actor's task is suspended in `_receive` (the inbox's only receiver) and no message
-        has been handed to it since (a message sent to a waiting receiver skips the buffer: a
-        step applied here before the actor resumes would overtake it), and it is not closing
+        has been handed to it since (a message sent to a waiting receiver skips the buffer: work
+        applied here before the actor resumes would overtake it), and it is not closing
         (closing ends its loop once every request has ended, which a message must wake)."""
         return self.core.closed is None and self._inbox.statistics().tasks_waiting_receive > 0
 
@@ -186,12 +207,11 @@ class Admission:
         return False
 
     def _apply(self, plan: Plan) -> None:
-        """Worker commands first (an Admit before the Abort of the same request), then the pool
-        batch, then every chunk of the step in one pass."""
+        """Worker commands first (an Admit before the Abort of the same request), then every
+        chunk of the step in one pass, then the pool batch: the pool may answer within `send`,
+        and the answer's own chunks must come after these."""
         for cmd in plan.worker:
             self._to_worker(cmd)
-        if plan.pool is not None:
-            self._pool.send(plan.pool)
         gone: list[int] = []
         for live, chunk in plan.deliver:
             try:
@@ -204,6 +224,8 @@ class Admission:
         for reply, dropped in plan.replies:
             with reply:
                 reply.send_nowait(dropped)
+        if plan.pool is not None:
+            self._pool.send(plan.pool)
         if gone:
             now = time.perf_counter()
             for rid in gone:

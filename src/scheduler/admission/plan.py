@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 class Plan(msgspec.Struct):
     """What the admission actor must do after the core's `take`: in this order, worker
-    commands, the pool batch, deliveries."""
+    commands, deliveries, the pool batch."""
 
     worker: list[WorkerCmd]
     pool: PoolBatch | None
