@@ -61,6 +61,9 @@
 #               against the two passes apart, host build and wall ms ($MIXED_CHUNKS, prompts x tokens)
 #   side-stream benchmarks/side_stream.py: a prefill chunk ($SIDE_CHUNKS, prompts x tokens) queued on the
 #               decode's stream or on a stream of its own beside a pipelined decode of 64 rows
+#   prefill-parts benchmarks/prefill_parts.py: one batched prefill pass of 8 prompts of 64-512 tokens,
+#               part by part, synchronized (plain pass, batch cache, right padding, finalize, join),
+#               with cuDNN's attention off (the default) and on (CUDNN="0 1")
 #   served      benchmarks/peers.py at 1 8 64: our server over HTTP beside the in-process
 #               scheduler and mlx_lm.server, one client for all (the served path should keep >= 0.97x of in-process at 64)
 #   served-8b   the same for Llama-3.1-8B's shape (benchmarks/shapes.py builds it, ~16 GB, once),
@@ -115,6 +118,11 @@ for s in "${stages[@]}"; do
         for c in ${SIDE_CHUNKS:-8x512 4x256}; do
           timeout "$limit" python3 -P benchmarks/side_stream.py --model "$(spec "$m")" --rows ${MIXED_ROWS:-64} \
             --chunk "$c" --steps 40 --at 10 --repeat ${REPEAT:-3} --out "$out/side-stream-$m-$c.json"
+        done ;;
+      prefill-parts)
+        for c in ${CUDNN:-0 1}; do
+          MLX_CUDA_USE_CUDNN_SDPA=$c timeout "$limit" python3 -P benchmarks/prefill_parts.py --model "$(spec "$m")" \
+            --prompts 8 --rows 64 --held 256 --repeat ${REPEAT:-5} --out "$out/prefill-parts-$m-cudnn$c.json"
         done ;;
       served)
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency ${SERVED_CONC:-1 8 64} \
