@@ -3,7 +3,8 @@
 #   bash .gpu-b/install.sh && . /tmp/gpu-env.sh && bash benchmarks/gpu_run.sh [stage...]
 # Stages (default: decode overhead peers-low peers-high), each for every model in $MODELS:
 #   decode      benchmarks/decode_step.py --profile (llama-3.2-1b only: the shape of our H100 overhead figures)
-#   overhead    benchmarks/overhead.py at $CONCURRENCY (1 8 32 64 128 256), warmed up; $OVERHEAD_ARGS
+#   overhead    benchmarks/overhead.py at $CONCURRENCY (1 8 32 64 128 256), warmed up, at least
+#               $MIN_REQUESTS (64) requests a level (8 waves at 8 streams); $OVERHEAD_ARGS
 #               adds options (e.g. "--prefix-cache off": what keeping prompts' blocks costs, which
 #               needs "--block-tokens 16": the default 256 keeps no block of a 128-token prompt)
 #   peers-low   benchmarks/peers.py, all four backends at 1 8 32
@@ -97,7 +98,8 @@ for s in "${stages[@]}"; do
           --batches ${BATCHES:-1 8 64} --out "$out/decode-$m.json" ;;
       overhead)
         timeout "$limit" python3 -P benchmarks/overhead.py --model "synthetic:$m" --concurrency ${CONCURRENCY:-1 8 32 64 128 256} \
-          --prompt-tokens 128 --max-tokens 64 --waves ${WAVES:-2} --warmup 1 ${OVERHEAD_ARGS:-} --out "$out/overhead-$m.json" ;;
+          --prompt-tokens 128 --max-tokens 64 --waves ${WAVES:-2} --min-requests ${MIN_REQUESTS:-64} --warmup 1 ${OVERHEAD_ARGS:-} \
+          --out "$out/overhead-$m.json" ;;
       peers-low)
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency 1 8 32 --warmup 1 \
           --backends bare scheduler mlx_lm.server sequential --out "$out/peers-low-$m.json" ;;

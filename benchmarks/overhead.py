@@ -150,6 +150,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--waves", type=int, default=3, help="requests per level = waves x concurrency")
+    ap.add_argument("--min-requests", type=int, default=0,
+                    help="at least this many requests per level: at low concurrency two waves are a run "
+                         "of about a second on a GPU, too short for a 5%% margin")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=2, help="interleaved runs per side; the best counts")
     ap.add_argument("--warmup", type=int, default=1,
@@ -181,7 +184,8 @@ def main() -> None:
     budget = args.budget if args.budget.isdigit() else f'"{args.budget}"'
     rows = []
     for n in args.concurrency:
-        prompts = make_prompts(max(n * args.waves, 8), args.prompt_tokens, info.vocab_size, args.seed + n)
+        prompts = make_prompts(max(n * args.waves, args.min_requests, 8), args.prompt_tokens, info.vocab_size,
+                               args.seed + n)
         config = SchedulerConfig.from_toml(
             f'[model]\npath = "{args.model}"\n[worker]\nmax_batch = {n}\n'
             f"step_token_budget = {budget}\n"
@@ -258,7 +262,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "model": args.model, "step_token_budget": args.budget, "stream": args.stream, "prefix_cache": args.prefix_cache, "block_tokens": args.block_tokens, "repeat": args.repeat, "warmup": args.warmup, "waves": args.waves, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "model": args.model, "step_token_budget": args.budget, "stream": args.stream, "prefix_cache": args.prefix_cache, "block_tokens": args.block_tokens, "repeat": args.repeat, "warmup": args.warmup, "waves": args.waves, "min_requests": args.min_requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
         "device": str(mx.default_device()), "mlx": mx.__version__, "python": sys.version.split()[0],
         "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
     }
