@@ -18,7 +18,7 @@ from metrics.prometheus import SchedulerMetrics
 from scheduler import assembly
 from scheduler.admission.actor import Admission
 from scheduler.admission.kvplan import KVPlan, layer_bytes, pool_size
-from scheduler.admission.messages import Cancel, Close, DropSession, Submit, SubmitEnvelope
+from scheduler.admission.messages import Cancel, Close, DropSession, Submit
 from scheduler.assembly import Scopes, build_stats, is_wrapping, log_model_facts, real_engine_factory
 from scheduler.chat.tools import ToolCalling, shown_to
 from scheduler.config import SchedulerConfig
@@ -362,21 +362,9 @@ class Scheduler:
         check_length(len(tokens), request.params.max_tokens, self.model.info.context_length)
         self._check_running()
         assert self._admission is not None
-        msg = Submit(request, tokens, submitted_at, stream, index)
-        result = self._admission.submit_now(msg, out)
-        if result is None:  # the actor takes it
-            result = await self._via_actor(msg, out)
+        result = await self._admission.submit(Submit(request, tokens, submitted_at, stream, index), out)
         if isinstance(result, SchedulerError):
             raise result
-        return result
-
-    async def _via_actor(self, msg: Submit, out: ChunkOut) -> int | SchedulerError:
-        assert self._admission is not None
-        reply_send, reply_recv = anyio.create_memory_object_stream[int | SchedulerError](1)
-        self._admission.send.send_nowait(SubmitEnvelope(msg, reply_send, out))
-        with reply_recv, anyio.CancelScope(shield=True):
-            # Shielded: once submitted, we must learn the id to be able to cancel it.
-            result = await reply_recv.receive()
         return result
 
     async def submit_tokens(

@@ -103,6 +103,18 @@ class Admission:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             pass  # the actor has finished: nothing is live any more
 
+    async def submit(self, msg: Submit, out: ChunkOut) -> int | SchedulerError:
+        """Queue a request: its id, or the error to raise in its caller; `out` takes its chunks."""
+        now = self.submit_now(msg, out)
+        if now is not None:
+            return now
+        reply_send, reply_recv = anyio.create_memory_object_stream[int | SchedulerError](1)
+        self.send.send_nowait(SubmitEnvelope(msg, reply_send, out))
+        with reply_recv, anyio.CancelScope(shield=True):
+            # Shielded: once submitted, the caller must learn the id to be able to cancel it.
+            result = await reply_recv.receive()
+        return result
+
     def submit_now(self, msg: Submit, out: ChunkOut) -> int | SchedulerError | None:
         """Queue a request within the caller's task, as the actor would next: its id, or the
         error to raise in the caller; None when the actor must take it (`SubmitEnvelope`): it is
