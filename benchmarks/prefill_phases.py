@@ -14,8 +14,11 @@ a warm-up. Each variant (a budget; `:mlx` for mlx-lm's own prefill and joining i
 
 Where MLX computes asynchronously, a phase's clock holds what the host waited for in it. With
 `--sync` every phase starts and ends with `mx.synchronize()`, so each clock holds its own
-compute (the pipeline is broken: compare phases, not totals). Also: steps/s, decode tokens/s,
-and the steps that prefilled.
+compute (the pipeline is broken: compare phases, not totals). A phase's lazy arrays are still
+computed by whichever later phase evaluates them: the batch cache's compaction when rows leave
+(finish) and its merge when rows join (join) land in the next decode step unless
+`--eval-caches` evaluates the cache at the end of those two phases. Also: steps/s, decode
+tokens/s, and the steps that prefilled.
 
     python benchmarks/prefill_phases.py --variants 0 128 128:mlx --concurrency 32 [--sync]
 """
@@ -63,8 +66,9 @@ PHASES = {
 class Clocks:
     """Exclusive time per phase (a phase inside another is taken out of the outer one's)."""
 
-    def __init__(self, sync: bool) -> None:
+    def __init__(self, sync: bool, eval_caches: bool = False) -> None:
         self.sync = sync
+        self.eval_caches = eval_caches
         self.total: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._stack: list[list[float]] = []  # [start, time spent in nested phases]
@@ -77,6 +81,12 @@ class Clocks:
             try:
                 return fn(*args, **kwargs)
             finally:
+                if self.eval_caches and name in ("finish", "join") and args:
+                    # The batch cache's compaction (finish) and merge (join) are built lazily and
+                    # would otherwise run, and be clocked, in the next decode step.
+                    caches = getattr(args[0], "prompt_cache", None) or []
+                    mx.eval([a for c in caches for a in (getattr(c, "keys", None), getattr(c, "values", None))
+                             if a is not None])
                 if self.sync:
                     mx.synchronize()
                 start, nested = self._stack.pop()
@@ -119,7 +129,7 @@ def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
                      SamplingSpec(), ())
 
     engine.insert([admit() for _ in range(args.concurrency)])
-    clocks = Clocks(args.sync)
+    clocks = Clocks(args.sync, args.eval_caches)
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             saved = install_clocks(clocks)
@@ -185,6 +195,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--sync", action="store_true", help="synchronize around every phase")
+    ap.add_argument("--eval-caches", action="store_true",
+                    help="evaluate the batch cache after a finish or a join, so the copy each builds "
+                         "lazily is clocked there, not in the next decode step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/prefill_phases.json")
     args = ap.parse_args()
