@@ -70,7 +70,8 @@ def run(model: Any, args: argparse.Namespace, variant: str, side: Any, seed: int
         y = nxt
     y.tolist()
     loop = time.perf_counter() - start
-    mx.eval([c.state for c in chunk_cache]) if variant != "none" else None
+    if variant != "none":
+        mx.eval([c.state for c in chunk_cache])
     tail = time.perf_counter() - start - loop
     after = gaps[args.at:]
     return {"gap_p50_ms": 1e3 * statistics.median(gaps[2:]), "gap_max_after_ms": 1e3 * max(after),
