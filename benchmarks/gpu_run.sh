@@ -59,12 +59,15 @@
 #               $STALL_VARIANTS (default "0 auto"; flags such as 0:queued, 0:mlxpad: stall.py's header);
 #               $STALL_ARGS adds options ("--max-tokens 96 --max-tokens-min 16": varied output lengths)
 #   mixed-step  benchmarks/mixed_step.py: a prefill chunk inside the decode step's forward pass
-#               against the two passes apart, host build and wall ms ($MIXED_CHUNKS, prompts x tokens)
+#               against the two passes apart, host build and wall ms ($MIXED_CHUNKS, prompts x tokens;
+#               MIXED_ARGS=--vary: a new chunk length every step)
 #   side-stream benchmarks/side_stream.py: a prefill chunk ($SIDE_CHUNKS, prompts x tokens) queued on the
 #               decode's stream or on a stream of its own beside a pipelined decode of 64 rows
 #   prefill-parts benchmarks/prefill_parts.py: one batched prefill pass of 8 prompts of 64-512 tokens,
 #               part by part, synchronized (plain pass, batch cache, right padding, finalize, join),
 #               with cuDNN's attention off (the default) and on (CUDNN="0 1")
+#   shape-cost  benchmarks/shape_cost.py: ops of a prefilling step (a projection, attention, rope) on
+#               shapes MLX has seen against new ones (model-independent: runs once per model listed)
 #   served      benchmarks/peers.py at 1 8 64: our server over HTTP beside the in-process
 #               scheduler and mlx_lm.server, one client for all (the served path should keep >= 0.97x of in-process at 64)
 #   served-8b   the same for Llama-3.1-8B's shape (benchmarks/shapes.py builds it, ~16 GB, once),
@@ -114,7 +117,7 @@ for s in "${stages[@]}"; do
         done ;;
       mixed-step)
         timeout "$limit" python3 -P benchmarks/mixed_step.py --model "$(spec "$m")" --rows ${MIXED_ROWS:-64} \
-          --held 256 --chunks ${MIXED_CHUNKS:-8x512 4x512 8x128 1x256} --steps 20 --repeat ${REPEAT:-2} \
+          --held 256 --chunks ${MIXED_CHUNKS:-8x512 4x512 8x128 1x256} --steps 20 --repeat ${REPEAT:-2} ${MIXED_ARGS:-} \
           --out "$out/mixed-step-$m.json" ;;
       side-stream)
         for c in ${SIDE_CHUNKS:-8x512 4x256}; do
@@ -126,6 +129,9 @@ for s in "${stages[@]}"; do
           MLX_CUDA_USE_CUDNN_SDPA=$c timeout "$limit" python3 -P benchmarks/prefill_parts.py --model "$(spec "$m")" \
             --prompts 8 --rows 64 --held 256 --repeat ${REPEAT:-5} --out "$out/prefill-parts-$m-cudnn$c.json"
         done ;;
+      shape-cost)
+        timeout "$limit" python3 -P benchmarks/shape_cost.py --calls 30 --repeat ${REPEAT:-3} \
+          --out "$out/shape-cost.json" ;;
       served)
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency ${SERVED_CONC:-1 8 64} \
           --warmup 1 --repeat ${REPEAT:-1} --backends ${SERVED_BACKENDS:-scheduler served mlx_lm.server} \

@@ -112,7 +112,8 @@ def timed(model: Any, args: argparse.Namespace, variant: str, prompts: int, leng
     build, wall = [], []
     for step in range(args.steps):
         decode = mx.random.randint(3, args.vocab, (args.rows, 1), key=mx.random.key(10 + step))
-        chunk = mx.random.randint(3, args.vocab, (prompts, length), key=mx.random.key(20 + step))
+        n = length - (step * 37 % max(1, length // 2) if args.vary else 0)  # a new shape each step
+        chunk = mx.random.randint(3, args.vocab, (prompts, n), key=mx.random.key(20 + step))
         dc = caches(model, args.rows, args.held, args.vocab, 0)
         cc = caches(model, prompts, 0, args.vocab, 0)
         mx.eval(decode, chunk)
@@ -141,6 +142,7 @@ def main() -> None:
     ap.add_argument("--chunks", nargs="+", default=["4x64", "8x128"], help="prompts x tokens a chunk")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--vary", action="store_true", help="each step's chunk a different length (up to the given)")
     ap.add_argument("--out", default="benchmarks/results/mixed_step.json")
     args = ap.parse_args()
     apply_cuda_defaults()

@@ -3,7 +3,8 @@
 `--concurrency` rows decode while new prompts (`--prompt-min`..`--prompt-max` tokens, random)
 replace the ones that finish (`--max-tokens` greedy tokens each), for `--steps` engine steps after
 a warm-up. Each variant (a budget; `:mlx` for mlx-lm's own prefill and joining instead of ours,
-`:blocking` for ours with mlx-lm's blocking chunks, `[worker] prefill_chunks = "blocking"`) runs side by side, `--repeat` times in rotating order. Clocks wrap mlx-lm's phases:
+`:blocking` for ours with mlx-lm's blocking chunks, `[worker] prefill_chunks = "blocking"`;
+`:nofuse` for a chunk in a forward pass of its own, `[worker] fuse_prefill = false`) runs side by side, `--repeat` times in rotating order. Clocks wrap mlx-lm's phases:
 
 - decode: `GenerationBatch.next` (the decode step, with its wait for the previous one);
 - prefill: `PromptProcessingBatch.prompt` (one chunk);
@@ -116,7 +117,7 @@ def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
     engine = MLXEngine(
         model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,
         prefill_step=args.prefill_step, step_token_budget=budget, pipelined_prefill=flag != "mlx",
-        queue_chunks=flag != "blocking",
+        queue_chunks=flag != "blocking", fuse_prefill=flag != "nofuse",
     )
     rng = random.Random(args.seed)
     next_rid = 0

@@ -143,6 +143,14 @@ async def test_model(entry: MatrixModel, model_cache: Path, anyio_backend: str) 
     assert st.mask_free_decode is entry.prefix_reuse
     assert value(samples, "mask_free_decode") == int(entry.prefix_reuse)
     assert len(no_mask_free) == (0 if entry.prefix_reuse else 2)
+    # A decode step's pass carries the prefill chunk for llama's and qwen2's blocks (mistral's
+    # are llama's); any other model keeps two passes and says so once per scheduler.
+    fusable = entry.name.removesuffix("-4bit") in ("llama", "qwen2", "mistral")
+    no_fuse = [e for e in logs if e["event"] == "fused_prefill_unavailable"]
+    assert st.fused_prefill is fusable
+    assert value(samples, "fused_prefill") == int(fusable)
+    assert len(no_fuse) == (0 if fusable else 2)
+    assert all("layers" in e["reason"] for e in no_fuse), no_fuse
     if entry.prefix_reuse:
         assert not unavailable
         assert st.prefix_hit_tokens - before_prefix.prefix_hit_tokens == 2 * BLOCK

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from workers.batching import fused
 from workers.batching.budget import AUTO_MIN_CAP
 from workers.batching.engine import MLXEngine
 from workers.batching.mlxlm import generation_batch
@@ -31,9 +32,11 @@ def workload(n: int, seed: int = 0) -> list[Admit]:
     return out
 
 
-def engine(model: Any, ours: bool, *, queue_chunks: bool = True, budget: int = 24) -> MLXEngine:
+def engine(model: Any, ours: bool, *, queue_chunks: bool = True, budget: int = 24,
+           fuse: bool = True) -> MLXEngine:
     return MLXEngine(model, vocab_size=256, max_batch=6, prefill_batch=4, prefill_step=64,
-                     step_token_budget=budget, pipelined_prefill=ours, queue_chunks=queue_chunks)
+                     step_token_budget=budget, pipelined_prefill=ours, queue_chunks=queue_chunks,
+                     fuse_prefill=fuse)
 
 
 def run(e: MLXEngine, admits: list[Admit], extra: list[tuple[bool, int]] | None = None,
@@ -81,7 +84,7 @@ def test_joining_rows_take_no_forward_pass_of_their_own(tiny_model: Any, monkeyp
     admits = workload(16, seed=1)
     ours: list[tuple[bool, int]] = []
     theirs: list[tuple[bool, int]] = []
-    run(engine(tiny_model, True), admits, ours, calls)
+    run(engine(tiny_model, True, fuse=False), admits, ours, calls)
     run(engine(tiny_model, False), admits, theirs, calls)
     # While rows decode, our steps are a decode pass and a prefill chunk at most; mlx-lm's steps
     # that join prompts also run the joining rows alone once. With nothing decoding there is no
@@ -90,6 +93,63 @@ def test_joining_rows_take_no_forward_pass_of_their_own(tiny_model: Any, monkeyp
     assert {n for decoding, n in theirs if decoding} == {0, 1}
     assert sum(n for decoding, n in theirs if decoding) >= 4
     assert {n for decoding, n in ours if not decoding} == {0, 1}
+
+
+@pytest.mark.parametrize("budget", [24, 0])
+def test_a_step_that_prefills_while_rows_decode_is_one_forward_pass(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch, budget: int
+) -> None:
+    passes = [0]
+    model_call, fused_call = type(tiny_model).__call__, fused.forward
+
+    def counted(call: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            passes[0] += 1
+            return call(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(type(tiny_model), "__call__", counted(model_call))
+    monkeypatch.setattr(fused, "forward", counted(fused_call))
+    admits = workload(16, seed=1)
+    e = engine(tiny_model, True, budget=budget)
+    assert e.fuse_unavailable == ""
+    out: dict[int, list[int]] = {a.rid: [] for a in admits}
+    per_step: list[int] = []
+    prefilled_beside_decode = 0
+    e.insert(admits[:8])
+    later = admits[8:]
+    while e.has_work() or later:
+        e.insert(later[:2])
+        later = later[2:]
+        before, decoding = passes[0], len(generation_batch(e._gen)) > 0
+        r = e.step()
+        if decoding:
+            per_step.append(passes[0] - before)
+            prefilled_beside_decode += r.prefill_tokens > 0
+        for rid, tok in zip(r.rids, r.tokens, strict=True):
+            out[rid].append(tok)
+    carried = generation_batch(e._gen).chunks_carried
+    e.close()
+    # Every chunk prefilled beside decoding rows rode in the next decode step's pass.
+    assert set(per_step) == {1}
+    assert carried == prefilled_beside_decode > 3
+    # The same tokens as two passes a step (float32: the shared matmuls round alike here).
+    assert out == run(engine(tiny_model, True, budget=budget, fuse=False), admits)
+
+
+def test_a_model_whose_blocks_the_fused_pass_does_not_know_keeps_two_passes(tiny_model: Any) -> None:
+    from mlx_lm.models import qwen3  # its attention normalizes queries and keys: not re-stated
+
+    other = qwen3.Model(qwen3.ModelArgs(
+        model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, rms_norm_eps=1e-6, vocab_size=256, num_key_value_heads=2,
+        max_position_embeddings=512, head_dim=16, tie_word_embeddings=True, rope_theta=1e6,
+    ))
+    e = MLXEngine(other, vocab_size=256, max_batch=6, prefill_batch=4, prefill_step=64)
+    assert "mlx_lm.models.qwen3.TransformerBlock" in e.fuse_unavailable
+    assert generation_batch(e._gen).partner is None
+    assert MLXEngine(tiny_model, vocab_size=256, max_batch=6, prefill_batch=4, prefill_step=64,
+                     queue_chunks=False).fuse_unavailable == "prefill chunks block (`prefill_chunks`)"
 
 
 def test_a_row_removed_while_it_joins_leaves_nothing_behind(tiny_model: Any) -> None:

@@ -114,6 +114,9 @@ class GaugeSource(Protocol):
     def mask_free_decode(self) -> bool: ...
 
     @property
+    def fused_prefill(self) -> bool: ...
+
+    @property
     def host_padding(self) -> bool: ...
 
     @property
@@ -260,6 +263,8 @@ class SchedulerMetrics:
              "they cannot (sliding-window or recurrent layers).", int(stats.prefix_cache_available)),
             ("mask_free_decode", "1 when decode steps without left padding skip the attention mask "
              "(fused attention), 0 when the model's caches need it.", int(stats.mask_free_decode)),
+            ("fused_prefill", "1 when a decode step's forward pass carries the next prefill chunk, "
+             "0 when the chunk runs a pass of its own.", int(stats.fused_prefill)),
             ("host_padding", "1 when rows that leave the batch do not wait for the device, 0 when "
              "they do, as in mlx-lm's loop (see the host_padding_unavailable log line).",
              int(stats.host_padding)),

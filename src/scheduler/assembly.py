@@ -31,6 +31,7 @@ def real_engine_factory(c: SchedulerConfig) -> EngineFactory[Loaded]:
         step_token_budget=c.worker.step_token_budget,
         prefill_chunks=c.worker.prefill_chunks,
         prefill_pack=c.worker.prefill_pack,
+        fuse_prefill=c.worker.fuse_prefill,
         block_tokens=c.kvpool.block_tokens,
         cuda_graphs=c.worker.cuda_graphs,
         fold_quantized=c.worker.fold_quantized,
@@ -59,6 +60,9 @@ def log_model_facts(loaded: Loaded) -> None:
     if loaded.mask_free_unavailable:
         log.warning("mask_free_decode_unavailable", model=info.name,
                     reason=loaded.mask_free_unavailable)
+    if loaded.fuse_unavailable and loaded.fuse_unavailable != "turned off":
+        log.warning("fused_prefill_unavailable", model=info.name, reason=loaded.fuse_unavailable,
+                    note="a step that prefills while others decode runs a forward pass of its own")
     if loaded.host_padding_unavailable:
         log.warning("host_padding_unavailable", model=info.name, reason=loaded.host_padding_unavailable,
                     note="rows that leave the batch wait for the device, as in mlx-lm's loop")
@@ -97,6 +101,7 @@ def build_stats(a: Admission, p: Pool, loaded: Loaded | None) -> SchedulerStats:
         prefix_cache_available=loaded is None or not loaded.prefix_unavailable,
         mask_free_decode=loaded is None or not loaded.mask_free_unavailable,
         host_padding=loaded is None or not loaded.host_padding_unavailable,
+        fused_prefill=loaded is None or not loaded.fuse_unavailable,
         structured_output=loaded is None or not loaded.grammar_unavailable,
         blas=loaded.blas.library if loaded else "",
         blas_note=loaded.blas.reason if loaded else "",

@@ -72,6 +72,8 @@ class Loaded(msgspec.Struct, frozen=True):
     """Why prefix blocks cannot work with this model's caches ("" when they can)."""
     mask_free_unavailable: str = ""
     """Why decode steps cannot skip mlx-lm's attention mask ("" when they can)."""
+    fuse_unavailable: str = ""
+    """Why decode steps cannot carry prefill chunks in their forward pass ("" when they do)."""
     host_padding_unavailable: str = ""
     """Why rows leaving the batch wait for the device, as in mlx-lm ("" when they do not)."""
     precision: Precision = Precision(dtype="")
@@ -92,6 +94,7 @@ def mlx_engine_factory(
     step_token_budget: int | str = "auto",
     prefill_chunks: str = "auto",
     prefill_pack: bool = True,
+    fuse_prefill: bool = True,
     block_tokens: int = 256,
     cuda_graphs: str = "auto",
     fold_quantized: bool = True,
@@ -131,6 +134,7 @@ def mlx_engine_factory(
             step_token_budget=step_token_budget,
             queue_chunks=prefill_chunks != "blocking",  # "auto": queued on every backend
             pack_prompts=prefill_pack,
+            fuse_prefill=fuse_prefill,
             block_tokens=block_tokens,
             grammar=grammar,
         )
@@ -144,6 +148,7 @@ def mlx_engine_factory(
             kv_reuse=engine.reuses_kv, sessions=engine.support.sessions,
             prefix_unavailable=engine.support.reason,
             mask_free_unavailable=engine.mask_free_unavailable,
+            fuse_unavailable=engine.fuse_unavailable,
             host_padding_unavailable=host_padding_unavailable(),
             precision=loaded_model.precision, blas=blas_state(),
             grammar_unavailable=grammar_unavailable,

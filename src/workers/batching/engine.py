@@ -15,6 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from workers.batching.budget import PrefillBudget
 from workers.batching.cachekinds import cache_support, trimmable
 from workers.batching.contract import StepResult
+from workers.batching.fused import unfusable
 from workers.batching.grammar import GrammarRows
 from workers.batching.kvstore import KVStore, LayerKV, common_prefix
 from workers.batching.logits import Wanted, processors
@@ -59,6 +60,7 @@ class MLXEngine:
         pipelined_prefill: bool = True,
         queue_chunks: bool = True,
         pack_prompts: bool = True,
+        fuse_prefill: bool = True,
     ) -> None:
         self._grammar = None if grammar is None else GrammarRows(grammar, self._decoding_inputs)
         # Sessions need caches mlx-lm can extract and re-insert; prefix blocks need plain KVCaches.
@@ -69,6 +71,12 @@ class MLXEngine:
         self._session_of: dict[int, str] = {}
         self._emitting: set[int] = set()
         """Requests that have emitted a token (the others are still prefilling)."""
+        self.fuse_unavailable = "" if fuse_prefill else "turned off"
+        if fuse_prefill:
+            self.fuse_unavailable = unfusable(model) or ("" if pipelined_prefill and queue_chunks else
+                                                         "prefill chunks block (`prefill_chunks`)")
+        """Why decode steps cannot carry prefill chunks in their forward pass ("" when they do)."""
+        self._fuse = not self.fuse_unavailable
         if step_token_budget == "auto" and mx.default_device().type == mx.DeviceType.gpu:
             # Measured on an H100 (docs/stalls.md): a prefill chunk is a forward pass of its own,
             # as costly on the host as a decode step, so spreading prefill over many steps kept
@@ -333,7 +341,7 @@ class MLXEngine:
         self._install()
 
     def _install(self) -> None:
-        self._prefill = install(self._gen) if self._pipelined else None
+        self._prefill = install(self._gen, fuse=self._fuse) if self._pipelined else None
         if self._prefill is not None:
             generation_batch(self._gen).on_queue = self._queued
 

@@ -26,6 +26,7 @@ import mlx.core as mx
 import structlog
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
+from workers.batching import fused
 from workers.batching.hostpad import host_padded, merged_padding
 from workers.batching.mlxlm import missing_prefill_fields
 from workers.loading.dtypes import on_cpu, on_cuda
@@ -43,44 +44,85 @@ class PipelinedPrefill(PromptProcessingBatch):
     that queues its chunks while `decoding` is set."""
 
     decoding: bool = False
+    fuse: bool = False
+    """While `decoding`, leave each chunk to the next decode step's forward pass (`fused.py`)."""
+    _chunk: tuple[mx.array, bool] | None = None
     keep_cache: bool = False
     """Never empty MLX's buffer cache, even with nothing decoding (`install` sets it: `keeps_cache`)."""
 
     def prompt(self, tokens: list[list[int]]) -> None:
         if len(self.uids) != len(tokens):
             raise ValueError("The batch length doesn't match the number of inputs")
+        self.flush()
         if not tokens:
             return
         if not self.decoding and not self.keep_cache:
             super().prompt(tokens)
             return
-        run = mx.async_eval if self.decoding else mx.eval
-        # As mlx-lm's: self.tokens holds what the KV cache holds; shorter prompts right-padded.
+        batch, padded = self._prepared(tokens)
+        if self.decoding and self.fuse and batch.shape[1] <= self.prefill_step_size:
+            self._chunk = (batch, padded)  # the next decode step's pass carries it
+            return
+        self._run(batch, padded)
+
+    def _prepared(self, tokens: list[list[int]]) -> tuple[mx.array, bool]:
+        """The chunk as one array (shorter prompts right-padded, the caches told so) and whether
+        any was padded; `tokens` recorded as what the caches hold, as mlx-lm's `prompt` does."""
         for held, more in zip(self.tokens, tokens, strict=True):
             held += more
         lengths = [len(t) for t in tokens]
         longest = max(lengths)
         padding = [longest - n for n in lengths]
-        padded = max(padding) > 0
-        batch: Any
-        if padded:
-            pad = mlx_lm_generate._right_pad_prompts
-            batch = pad(tokens, max_length=longest)
-            for c in self.prompt_cache:
-                c.prepare(lengths=lengths, right_padding=padding)
-        else:
-            batch = mx.array(tokens)
+        if max(padding) == 0:
+            return mx.array(tokens), False
+        for c in self.prompt_cache:
+            c.prepare(lengths=lengths, right_padding=padding)
+        return mlx_lm_generate._right_pad_prompts(tokens, max_length=longest), True
+
+    def _run(self, batch: mx.array, padded: bool) -> None:
+        run = mx.async_eval if self.decoding else mx.eval
         while batch.shape[1] > 0:
             n = min(self.prefill_step_size, batch.shape[1])
             self.model(batch[:, :n], cache=self.prompt_cache)
             run([c.state for c in self.prompt_cache])
             batch = batch[:, n:]
         if padded:
-            for c in self.prompt_cache:
-                c.finalize()
-            run([c.state for c in self.prompt_cache])
+            self.finalize_chunk()
+
+    def finalize_chunk(self) -> None:
+        """After a right-padded chunk: its padding becomes left padding, as mlx-lm's `prompt` does."""
+        for c in self.prompt_cache:
+            c.finalize()
+        run = mx.async_eval if self.decoding else mx.eval
+        run([c.state for c in self.prompt_cache])
+
+    def take_chunk(self) -> tuple[mx.array, bool] | None:
+        """The chunk left for the next decode step's pass (its tokens, whether right-padded),
+        which that pass now owns; None when there is none."""
+        chunk, self._chunk = self._chunk, None
+        return chunk
+
+    def flush(self) -> None:
+        """Run a chunk left for a decode step as a pass of its own: before anything reads or
+        reshapes the prompt caches without a decode step having carried it."""
+        chunk = self.take_chunk()
+        if chunk is not None:
+            self._run(*chunk)
+
+    def split(self, indices: list[int]) -> Any:
+        self.flush()
+        return super().split(indices)
+
+    def filter(self, keep: list[int]) -> None:
+        self.flush()
+        super().filter(keep)
+
+    def extract_cache(self, idx: int) -> list[Any]:
+        self.flush()
+        return super().extract_cache(idx)
 
     def extend(self, batch: Any) -> None:
+        self.flush()
         # A new batch's caches were just merged from its rows' caches, whose lengths are those
         # of the tokens they hold (mlx-lm keeps `tokens` as what each row's cache holds).
         host_padded(batch.prompt_cache, merged_padding([len(t) for t in batch.tokens]))
@@ -88,6 +130,7 @@ class PipelinedPrefill(PromptProcessingBatch):
 
     def generate(self, tokens: list[list[int]]) -> JoiningBatch:
         """As mlx-lm's, but the rows leave as a `JoiningBatch`, not yet stepped."""
+        self.flush()
         if any(len(t) > 1 for t in tokens):
             self.prompt([t[:-1] for t in tokens])
         last = mx.array([t[-1] for t in tokens], dtype=mx.uint32)
@@ -111,6 +154,9 @@ class JoiningBatch(GenerationBatch):
     before that call, so the hook sits in that attribute's setter."""
 
     on_queue: Callable[[], None] | None = None
+    partner: PipelinedPrefill | None = None
+    """The prompt batch whose left chunk (`PipelinedPrefill.fuse`) each decode step carries."""
+    chunks_carried = 0
     _stepping = False
     _tokens_ahead: Any = None
 
@@ -138,11 +184,22 @@ class JoiningBatch(GenerationBatch):
     def _step(self) -> tuple[list[int], list[mx.array]]:
         if self._joining:
             return [], []
+        partner = self.partner
+        chunk = partner.take_chunk() if partner is not None else None
+        model = self.model
+        if chunk is not None:
+            assert partner is not None
+            self.model = _Carrying(model, chunk[0], partner.prompt_cache)
         self._stepping = True
         try:
             return super()._step()
         finally:
             self._stepping = False
+            self.model = model
+            if chunk is not None:
+                self.chunks_carried += 1
+                if chunk[1]:
+                    partner.finalize_chunk()  # type: ignore[union-attr]
 
     def extend(self, batch: Any) -> None:
         alone = not self.uids
@@ -219,6 +276,16 @@ class JoiningBatch(GenerationBatch):
         return responses
 
 
+class _Carrying:
+    """The model as a decode step calls it, with a prefill chunk in the same pass (`fused.py`)."""
+
+    def __init__(self, model: Any, chunk: mx.array, caches: list[Any]) -> None:
+        self.model, self._chunk, self._caches = model, chunk, caches
+
+    def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        return fused.forward(self.model, inputs, cache, self._chunk, self._caches)
+
+
 def keeps_cache() -> bool:
     """Whether blocking prefill chunks leave MLX's buffer cache as it is, rather than empty it
     after each chunk as mlx-lm does (which bounds a long prompt's memory on Metal).
@@ -232,11 +299,13 @@ def keeps_cache() -> bool:
     return on_cuda() or on_cpu()
 
 
-def install(gen: Any) -> PipelinedPrefill | None:
+def install(gen: Any, *, fuse: bool = False) -> PipelinedPrefill | None:
     """Give a fresh `BatchGenerator` (before anything is inserted) the pipelined prompt batch
     and a joining generation batch; `split` copies the prompt batch by class and `extend` keeps
     the generation batch, so every later one is ours too. None (and a warning, once per
-    generator): this mlx-lm lacks what they need, and the generator keeps its own."""
+    generator): this mlx-lm lacks what they need, and the generator keeps its own. `fuse`: each
+    decode step's forward pass carries the prompt batch's next chunk (for models that
+    `fused.unfusable` passes)."""
     missing = missing_prefill_fields(gen)
     if missing:
         log.warning("prefill_path_unavailable", missing=missing,
@@ -246,6 +315,9 @@ def install(gen: Any) -> PipelinedPrefill | None:
         gen.model, gen.sampler, prefill_step_size=gen.prefill_step_size
     )
     batch.keep_cache = keeps_cache()
+    batch.fuse = fuse
     gen._prompt_batch = batch
     gen._generation_batch = JoiningBatch.empty(gen.model, gen.sampler)
+    if fuse:
+        gen._generation_batch.partner = batch
     return batch

@@ -1,0 +1,103 @@
+"""One forward pass for a decode step and a prefill chunk (the mixed batch of vLLM and Sarathi-Serve).
+
+mlx-lm runs a step that prefills as two forward passes: the decode rows' single tokens, then the
+prompt chunk. On a GPU a small model's pass costs the host about as much whatever it carries, so
+the second pass nearly doubled the step (docs/stalls.md). Here the decode rows' tokens and the
+chunk's tokens go through the projections and MLPs as one matrix; only the attention is split,
+each part against its own caches (the decode batch's, the prompt batch's), with the masks mlx-lm's
+own passes would use. The chunk's logits are never computed: in the last layer only its keys and
+values are stored.
+
+Only blocks written as llama's and qwen2's are fused (`unfusable` says why a model is not), since
+the pass re-states their forward: RMSNorm, attention with rotary positions, RMSNorm, MLP, each with
+a residual. A test checks the fused pass against the two passes apart for each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+
+BLOCKS = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
+"""mlx-lm's modules whose `TransformerBlock` and `Attention` the fused pass re-states."""
+
+
+def unfusable(model: Any) -> str:
+    """Why `model`'s decode steps cannot carry a prefill chunk ("" when they can)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, list) or not layers:
+        return "the model has no list of layers at `model.layers`"
+    if getattr(inner, "pipeline_size", 1) != 1:
+        return "the model's layers are split over processes (pipeline parallel)"
+    if not all(hasattr(inner, name) for name in ("embed_tokens", "norm")):
+        return "the model has no `embed_tokens` and `norm` beside its layers"
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        where = type(layer).__module__
+        if (where not in BLOCKS or type(layer).__name__ != "TransformerBlock"
+                or type(attn).__module__ != where or type(attn).__name__ != "Attention"):
+            return (f"its layers ({where}.{type(layer).__name__}) are not llama's or qwen2's "
+                    "blocks, the ones the one-pass step re-states")
+        if getattr(layer, "use_sliding", False):
+            return "it has sliding-window layers"
+    return ""
+
+
+def _heads(t: mx.array, rows: int, length: int, n: int) -> mx.array:
+    return t.reshape(rows, length, n, -1).transpose(0, 2, 1, 3)
+
+
+def _store(attn: Any, k: mx.array, v: mx.array, rows: int, length: int, cache: Any) -> tuple[Any, Any]:
+    """Rotary positions on `k`; both into `cache`; what it now holds."""
+    k = attn.rope(_heads(k, rows, length, attn.n_kv_heads), offset=cache.offset)
+    keys, values = cache.update_and_fetch(k, _heads(v, rows, length, attn.n_kv_heads))
+    return keys, values
+
+
+def _attend(attn: Any, q: mx.array, k: mx.array, v: mx.array, rows: int, length: int,
+            cache: Any, mask: Any) -> mx.array:
+    q = attn.rope(_heads(q, rows, length, attn.n_heads), offset=cache.offset)
+    keys, values = _store(attn, k, v, rows, length, cache)
+    out = scaled_dot_product_attention(q, keys, values, cache=cache, scale=attn.scale, mask=mask)
+    return out.transpose(0, 2, 1, 3).reshape(rows * length, -1)
+
+
+def forward(model: Any, inputs: mx.array, caches: list[Any], chunk: mx.array,
+            chunk_caches: list[Any]) -> mx.array:
+    """The decode rows' logits, `(rows, 1, vocab)`, as `model(inputs, cache=caches)` gives them;
+    the chunk's keys and values land in `chunk_caches`, as `model(chunk, cache=chunk_caches)`
+    would leave them. `inputs`: `(rows, 1)` tokens; `chunk`: `(prompts, length)` tokens."""
+    inner = model.model
+    rows, (prompts, length) = inputs.shape[0], chunk.shape
+    hd, hc = inner.embed_tokens(inputs), inner.embed_tokens(chunk)
+    # Before any layer stores this step's keys, as the model's own pass asks.
+    decode_mask = create_attention_mask(hd, caches[0])
+    chunk_mask = create_attention_mask(hc, chunk_caches[0])
+    x = mx.concatenate([hd.reshape(rows, -1), hc.reshape(prompts * length, -1)])
+    last = len(inner.layers) - 1
+    for i, (layer, dc, cc) in enumerate(zip(inner.layers, caches, chunk_caches, strict=True)):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        k, v = attn.k_proj(h), attn.v_proj(h)
+        if i < last:
+            q = attn.q_proj(h)
+            out = mx.concatenate([
+                _attend(attn, q[:rows], k[:rows], v[:rows], rows, 1, dc, decode_mask),
+                _attend(attn, q[rows:], k[rows:], v[rows:], prompts, length, cc, chunk_mask),
+            ])
+        else:  # nothing reads the chunk's outputs past its last keys and values
+            _store(attn, k[rows:], v[rows:], prompts, length, cc)
+            x, h = x[:rows], h[:rows]
+            out = _attend(attn, attn.q_proj(h), k[:rows], v[:rows], rows, 1, dc, decode_mask)
+        x = x + attn.o_proj(out)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    out = inner.norm(x)[:, None]
+    logits: mx.array
+    if model.args.tie_word_embeddings:
+        logits = inner.embed_tokens.as_linear(out)
+    else:
+        logits = model.lm_head(out)
+    return logits
