@@ -15,6 +15,11 @@ queues chunks by default (`[worker] prefill_chunks`; measured on the CPU and on 
 on Metal). With nothing decoding there is no pipeline to
 keep, and chunks block and clear as mlx-lm's do, which bounds a long prompt's memory (on CUDA
 and the CPU they block and keep the cache: see `keeps_cache`).
+
+**One pass.** With `fuse` (models with llama's or qwen2's blocks, `fused.py`), a chunk prefilled
+while rows decode is not run at all: it is left to the next decode step, whose forward pass
+carries it beside the decode rows' tokens. Whatever reads or reshapes the prompt caches first
+(a join, a row removed, a cache extracted, the next chunk) runs it as a pass of its own.
 """
 
 from __future__ import annotations
@@ -184,11 +189,9 @@ class JoiningBatch(GenerationBatch):
     def _step(self) -> tuple[list[int], list[mx.array]]:
         if self._joining:
             return [], []
-        partner = self.partner
+        partner, model = self.partner, self.model
         chunk = partner.take_chunk() if partner is not None else None
-        model = self.model
-        if chunk is not None:
-            assert partner is not None
+        if partner is not None and chunk is not None:
             self.model = _Carrying(model, chunk[0], partner.prompt_cache)
         self._stepping = True
         try:
@@ -196,10 +199,10 @@ class JoiningBatch(GenerationBatch):
         finally:
             self._stepping = False
             self.model = model
-            if chunk is not None:
+            if partner is not None and chunk is not None:
                 self.chunks_carried += 1
                 if chunk[1]:
-                    partner.finalize_chunk()  # type: ignore[union-attr]
+                    partner.finalize_chunk()
 
     def extend(self, batch: Any) -> None:
         alone = not self.uids
