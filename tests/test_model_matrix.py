@@ -143,9 +143,9 @@ async def test_model(entry: MatrixModel, model_cache: Path, anyio_backend: str) 
     assert st.mask_free_decode is entry.prefix_reuse
     assert value(samples, "mask_free_decode") == int(entry.prefix_reuse)
     assert len(no_mask_free) == (0 if entry.prefix_reuse else 2)
-    # A decode step's pass carries the prefill chunk for llama's and qwen2's blocks (mistral's
-    # are llama's); any other model keeps two passes and says so once per scheduler.
-    fusable = entry.name.removesuffix("-4bit") in ("llama", "qwen2", "mistral")
+    # A decode step's pass carries the prefill chunk for llama's, qwen2's and qwen3's blocks
+    # (mistral's are llama's); any other model keeps two passes and says so once per scheduler.
+    fusable = entry.name.removesuffix("-4bit") in ("llama", "qwen2", "qwen3", "mistral")
     no_fuse = [e for e in logs if e["event"] == "fused_prefill_unavailable"]
     assert st.fused_prefill is fusable
     assert value(samples, "fused_prefill") == int(fusable)

@@ -138,15 +138,14 @@ def test_a_step_that_prefills_while_rows_decode_is_one_forward_pass(
 
 
 def test_a_model_whose_blocks_the_fused_pass_does_not_know_keeps_two_passes(tiny_model: Any) -> None:
-    from mlx_lm.models import qwen3  # its attention normalizes queries and keys: not re-stated
+    from mlx_lm.models import phi3  # one fused qkv projection: not a block the pass re-states
 
-    other = qwen3.Model(qwen3.ModelArgs(
-        model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+    other = phi3.Model(phi3.ModelArgs(
+        model_type="phi3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
         num_attention_heads=4, rms_norm_eps=1e-6, vocab_size=256, num_key_value_heads=2,
-        max_position_embeddings=512, head_dim=16, tie_word_embeddings=True, rope_theta=1e6,
     ))
     e = MLXEngine(other, vocab_size=256, max_batch=6, prefill_batch=4, prefill_step=64)
-    assert "mlx_lm.models.qwen3.TransformerBlock" in e.fuse_unavailable
+    assert "mlx_lm.models.phi3.TransformerBlock" in e.fuse_unavailable
     assert generation_batch(e._gen).partner is None
     assert MLXEngine(tiny_model, vocab_size=256, max_batch=6, prefill_batch=4, prefill_step=64,
                      queue_chunks=False).fuse_unavailable == "prefill chunks block (`prefill_chunks`)"

@@ -115,8 +115,9 @@ class WorkerSection(_Section):
     fuse_prefill: bool = True
     """While others decode, each decode step's forward pass also carries the next prefill chunk
     (its projections and MLPs shared, its attention apart), rather than the chunk running a pass of
-    its own. Models with llama's or qwen2's blocks (SmolLM2, Llama, Mistral, Qwen2); others keep
-    two passes, and the log and `stats().fused_prefill` say so. Needs queued `prefill_chunks`."""
+    its own. Models with llama's, qwen2's or qwen3's blocks (SmolLM2, Llama, Mistral, Qwen2,
+    Qwen3); others keep two passes, and the log and `stats().fused_prefill` say so. Needs queued
+    `prefill_chunks`."""
     on_failure: Literal["restart", "close"] = "restart"
     """After a failed step: a fresh BatchGenerator serves the queue, or the scheduler closes."""
     fold_quantized: bool = True

@@ -115,7 +115,7 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     layers, or an mlx-lm whose internals changed; the log says which)."""
     fused_prefill: bool = True
     """False when a step that prefills while others decode runs the chunk as a forward pass of its
-    own: the model's blocks are not llama's or qwen2's, chunks block, or `fuse_prefill = false`
+    own: the model's blocks are not llama's, qwen2's or qwen3's, chunks block, or `fuse_prefill = false`
     (the log says which)."""
     host_padding: bool = True
     """False when rows that leave the batch wait for the device, as in mlx-lm's own loop (an

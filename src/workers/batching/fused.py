@@ -8,9 +8,9 @@ each part against its own caches (the decode batch's, the prompt batch's), with 
 own passes would use. The chunk's logits are never computed: in the last layer only its keys and
 values are stored.
 
-Only blocks written as llama's and qwen2's are fused (`unfusable` says why a model is not), since
-the pass re-states their forward: RMSNorm, attention with rotary positions, RMSNorm, MLP, each with
-a residual. A test checks the fused pass against the two passes apart for each.
+Only blocks written as llama's, qwen2's and qwen3's are fused (`unfusable` says why a model is
+not), since the pass re-states their forward: RMSNorm, attention with rotary positions, RMSNorm,
+MLP, each with a residual. A test checks the fused pass against the two passes apart for each.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
-BLOCKS = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
-"""mlx-lm's modules whose `TransformerBlock` and `Attention` the fused pass re-states."""
+BLOCKS = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
+"""mlx-lm's modules whose `TransformerBlock` and `Attention` the fused pass re-states (qwen3's
+attention normalizes each head's queries and keys, `q_norm` and `k_norm`, before the rotation)."""
 
 
 def unfusable(model: Any) -> str:
@@ -39,27 +40,30 @@ def unfusable(model: Any) -> str:
         where = type(layer).__module__
         if (where not in BLOCKS or type(layer).__name__ != "TransformerBlock"
                 or type(attn).__module__ != where or type(attn).__name__ != "Attention"):
-            return (f"its layers ({where}.{type(layer).__name__}) are not llama's or qwen2's "
-                    "blocks, the ones the one-pass step re-states")
+            return (f"its layers ({where}.{type(layer).__name__}) are not llama's, qwen2's or "
+                    "qwen3's blocks, the ones the one-pass step re-states")
         if getattr(layer, "use_sliding", False):
             return "it has sliding-window layers"
     return ""
 
 
-def _heads(t: mx.array, rows: int, length: int, n: int) -> mx.array:
-    return t.reshape(rows, length, n, -1).transpose(0, 2, 1, 3)
+def _heads(t: mx.array, rows: int, length: int, n: int, norm: Any = None) -> mx.array:
+    t = t.reshape(rows, length, n, -1)
+    return (t if norm is None else norm(t)).transpose(0, 2, 1, 3)
 
 
 def _store(attn: Any, k: mx.array, v: mx.array, rows: int, length: int, cache: Any) -> tuple[Any, Any]:
     """Rotary positions on `k`; both into `cache`; what it now holds."""
-    k = attn.rope(_heads(k, rows, length, attn.n_kv_heads), offset=cache.offset)
+    k = _heads(k, rows, length, attn.n_kv_heads, getattr(attn, "k_norm", None))
+    k = attn.rope(k, offset=cache.offset)
     keys, values = cache.update_and_fetch(k, _heads(v, rows, length, attn.n_kv_heads))
     return keys, values
 
 
 def _attend(attn: Any, q: mx.array, k: mx.array, v: mx.array, rows: int, length: int,
             cache: Any, mask: Any) -> mx.array:
-    q = attn.rope(_heads(q, rows, length, attn.n_heads), offset=cache.offset)
+    q = _heads(q, rows, length, attn.n_heads, getattr(attn, "q_norm", None))
+    q = attn.rope(q, offset=cache.offset)
     keys, values = _store(attn, k, v, rows, length, cache)
     out = scaled_dot_product_attention(q, keys, values, cache=cache, scale=attn.scale, mask=mask)
     return out.transpose(0, 2, 1, 3).reshape(rows * length, -1)

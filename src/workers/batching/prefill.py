@@ -16,7 +16,7 @@ on Metal). With nothing decoding there is no pipeline to
 keep, and chunks block and clear as mlx-lm's do, which bounds a long prompt's memory (on CUDA
 and the CPU they block and keep the cache: see `keeps_cache`).
 
-**One pass.** With `fuse` (models with llama's or qwen2's blocks, `fused.py`), a chunk prefilled
+**One pass.** With `fuse` (models with llama's, qwen2's or qwen3's blocks, `fused.py`), a chunk prefilled
 while rows decode is not run at all: it is left to the next decode step, whose forward pass
 carries it beside the decode rows' tokens. Whatever reads or reshapes the prompt caches first
 (a join, a row removed, a cache extracted, the next chunk) runs it as a pass of its own.
