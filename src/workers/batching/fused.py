@@ -1,8 +1,8 @@
 """One forward pass for a decode step and a prefill chunk (the mixed batch of vLLM and Sarathi-Serve).
 
 mlx-lm runs a step that prefills as two forward passes: the decode rows' single tokens, then the
-prompt chunk. On a GPU a small model's pass costs the host about as much whatever it carries, so
-the second pass nearly doubled the step (docs/stalls.md). Here the decode rows' tokens and the
+prompt chunk. The second pass builds a whole graph on the host and reads every weight again
+(docs/stalls.md measures what one pass saves on the CPU and on a GPU). Here the decode rows' tokens and the
 chunk's tokens go through the projections and MLPs as one matrix; only the attention is split,
 each part against its own caches (the decode batch's, the prompt batch's), with the masks mlx-lm's
 own passes would use. The chunk's logits are never computed: in the last layer only its keys and
