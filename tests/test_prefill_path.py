@@ -11,7 +11,7 @@ import pytest
 
 from workers.batching import fused
 from workers.batching.budget import AUTO_MIN_CAP
-from workers.batching.engine import MLXEngine
+from workers.batching.engine import MLXEngine, fuses
 from workers.batching.mlxlm import generation_batch
 from workers.messages import Admit, SamplingSpec
 
@@ -224,6 +224,38 @@ def test_the_prefill_pack_setting_reaches_the_engine(model_cache: Path, pack: bo
         assert built.step().prefill_tokens == (8 if pack else 2) * 8  # 64 tokens a pass
     finally:
         built.close()
+
+
+@pytest.mark.parametrize(("value", "fused"), [('"auto"', True), ("true", True), ("false", False)])
+def test_the_fuse_prefill_setting_reaches_the_engine(model_cache: Path, value: str, fused: bool) -> None:
+    from scheduler import SchedulerConfig
+    from scheduler.assembly import real_engine_factory
+
+    cfg = SchedulerConfig.from_toml(
+        f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"\n[worker]\nfuse_prefill = {value}'
+    )
+    built, loaded = real_engine_factory(cfg)()
+    try:  # "auto" on this CPU backend: on
+        assert built.fused is fused and loaded.fused_prefill is fused
+        assert generation_batch(built._gen).partner is (built._prefill if fused else None)
+        assert loaded.fuse_unavailable == ""
+    finally:
+        built.close()
+
+
+def test_auto_fuses_on_the_cpu_backend_only() -> None:
+    assert fuses("auto", gpu=False) and not fuses("auto", gpu=True)
+    assert fuses(True, gpu=True) and not fuses(False, gpu=False)
+    with pytest.raises(ValueError, match="fuse_prefill.*'sometimes'"):
+        fuses("sometimes", gpu=False)
+
+
+def test_a_bad_fuse_prefill_setting_is_named() -> None:
+    from scheduler import SchedulerConfig
+    from scheduler.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"worker\.fuse_prefill.*'always'"):
+        SchedulerConfig.from_toml('[worker]\nfuse_prefill = "always"')
 
 
 def test_a_bad_prefill_chunks_setting_is_named() -> None:

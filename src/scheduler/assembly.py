@@ -60,7 +60,7 @@ def log_model_facts(loaded: Loaded) -> None:
     if loaded.mask_free_unavailable:
         log.warning("mask_free_decode_unavailable", model=info.name,
                     reason=loaded.mask_free_unavailable)
-    if loaded.fuse_unavailable and loaded.fuse_unavailable != "turned off":
+    if loaded.fuse_unavailable:
         log.warning("fused_prefill_unavailable", model=info.name, reason=loaded.fuse_unavailable,
                     note="a step that prefills while others decode runs a forward pass of its own")
     if loaded.host_padding_unavailable:
@@ -101,7 +101,7 @@ def build_stats(a: Admission, p: Pool, loaded: Loaded | None) -> SchedulerStats:
         prefix_cache_available=loaded is None or not loaded.prefix_unavailable,
         mask_free_decode=loaded is None or not loaded.mask_free_unavailable,
         host_padding=loaded is None or not loaded.host_padding_unavailable,
-        fused_prefill=loaded is None or not loaded.fuse_unavailable,
+        fused_prefill=loaded is not None and loaded.fused_prefill,
         structured_output=loaded is None or not loaded.grammar_unavailable,
         blas=loaded.blas.library if loaded else "",
         blas_note=loaded.blas.reason if loaded else "",

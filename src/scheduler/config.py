@@ -112,11 +112,12 @@ class WorkerSection(_Section):
     """While others decode: "queued" hands each prefill chunk to MLX without waiting for it and
     keeps the allocator's cache; "blocking" waits for each and empties the cache, as mlx-lm does.
     "auto": queued on every backend (docs/stalls.md has the measurements)."""
-    fuse_prefill: bool = True
+    fuse_prefill: bool | Literal["auto"] = "auto"
     """While others decode, each decode step's forward pass also carries the next prefill chunk
     (its projections and MLPs shared, its attention apart), rather than the chunk running a pass of
-    its own. Models with llama's, qwen2's or qwen3's blocks (SmolLM2, Llama, Mistral, Qwen2,
-    Qwen3); others keep two passes, and the log and `stats().fused_prefill` say so. Needs queued
+    its own. "auto": on the CPU backend, off on a GPU (where it measured no faster; see Stall-free
+    admission). Models with llama's, qwen2's or qwen3's blocks (SmolLM2, Llama, Mistral, Qwen2,
+    Qwen3); for others the log says so once, and `stats().fused_prefill` is false. Needs queued
     `prefill_chunks`."""
     on_failure: Literal["restart", "close"] = "restart"
     """After a failed step: a fresh BatchGenerator serves the queue, or the scheduler closes."""

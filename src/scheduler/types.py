@@ -113,9 +113,10 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     mask_free_decode: bool = True
     """False when no decode step can skip mlx-lm's attention mask (sliding-window or recurrent
     layers, or an mlx-lm whose internals changed; the log says which)."""
-    fused_prefill: bool = True
-    """False when a step that prefills while others decode runs the chunk as a forward pass of its
-    own: the model's blocks are not llama's, qwen2's or qwen3's, chunks block, or `fuse_prefill = false`
+    fused_prefill: bool = False
+    """True when a decode step's forward pass carries the next prefill chunk (`fuse_prefill`, on by
+    default on the CPU backend); false when the chunk runs a pass of its own: off by setting or on
+    a GPU by default, or the model's blocks are not llama's, qwen2's or qwen3's, or chunks block
     (the log says which)."""
     host_padding: bool = True
     """False when rows that leave the batch wait for the device, as in mlx-lm's own loop (an

@@ -73,7 +73,9 @@ class Loaded(msgspec.Struct, frozen=True):
     mask_free_unavailable: str = ""
     """Why decode steps cannot skip mlx-lm's attention mask ("" when they can)."""
     fuse_unavailable: str = ""
-    """Why decode steps cannot carry prefill chunks in their forward pass ("" when they do)."""
+    """Why decode steps cannot carry prefill chunks as `fuse_prefill` asks ("" when they can)."""
+    fused_prefill: bool = False
+    """Whether each decode step's forward pass carries the next prefill chunk."""
     host_padding_unavailable: str = ""
     """Why rows leaving the batch wait for the device, as in mlx-lm ("" when they do not)."""
     precision: Precision = Precision(dtype="")
@@ -94,7 +96,7 @@ def mlx_engine_factory(
     step_token_budget: int | str = "auto",
     prefill_chunks: str = "auto",
     prefill_pack: bool = True,
-    fuse_prefill: bool = True,
+    fuse_prefill: bool | str = "auto",
     block_tokens: int = 256,
     cuda_graphs: str = "auto",
     fold_quantized: bool = True,
@@ -148,7 +150,7 @@ def mlx_engine_factory(
             kv_reuse=engine.reuses_kv, sessions=engine.support.sessions,
             prefix_unavailable=engine.support.reason,
             mask_free_unavailable=engine.mask_free_unavailable,
-            fuse_unavailable=engine.fuse_unavailable,
+            fuse_unavailable=engine.fuse_unavailable, fused_prefill=engine.fused,
             host_padding_unavailable=host_padding_unavailable(),
             precision=loaded_model.precision, blas=blas_state(),
             grammar_unavailable=grammar_unavailable,

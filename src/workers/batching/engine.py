@@ -42,6 +42,18 @@ if TYPE_CHECKING:
 log = structlog.get_logger("workers")
 
 
+def fuses(setting: bool | str, *, gpu: bool) -> bool:
+    """Whether `[worker] fuse_prefill` asks for the one-pass step: "auto" on the CPU backend only.
+    On an H100 at budget 0 (a GPU's default) one pass gave 0.95-1.05x the tokens/s of two, and a
+    TTFT p99 1.19x as long at 32 streams on the 0.5B shape in two runs (docs/stalls.md); on the
+    CPU it gave 1.05-1.15x the tokens/s with the ITL bound held."""
+    if setting == "auto":
+        return not gpu
+    if isinstance(setting, bool):
+        return setting
+    raise ValueError(f"fuse_prefill must be true, false or 'auto', got {setting!r}")
+
+
 class MLXEngine:
     """Owns one `BatchGenerator`. Maps our rids to its uids and groups equal sampling specs."""
 
@@ -60,7 +72,7 @@ class MLXEngine:
         pipelined_prefill: bool = True,
         queue_chunks: bool = True,
         pack_prompts: bool = True,
-        fuse_prefill: bool = True,
+        fuse_prefill: bool | str = "auto",
     ) -> None:
         self._grammar = None if grammar is None else GrammarRows(grammar, self._decoding_inputs)
         # Sessions need caches mlx-lm can extract and re-insert; prefix blocks need plain KVCaches.
@@ -71,13 +83,14 @@ class MLXEngine:
         self._session_of: dict[int, str] = {}
         self._emitting: set[int] = set()
         """Requests that have emitted a token (the others are still prefilling)."""
-        self.fuse_unavailable = "" if fuse_prefill else "turned off"
-        if fuse_prefill:
-            self.fuse_unavailable = unfusable(model) or ("" if pipelined_prefill and queue_chunks else
-                                                         "prefill chunks block (`prefill_chunks`)")
-        """Why decode steps cannot carry prefill chunks in their forward pass ("" when they do)."""
-        self._fuse = not self.fuse_unavailable
-        if step_token_budget == "auto" and mx.default_device().type == mx.DeviceType.gpu:
+        gpu = mx.default_device().type == mx.DeviceType.gpu
+        wanted = fuses(fuse_prefill, gpu=gpu)
+        self.fuse_unavailable = "" if not wanted else unfusable(model) or (
+            "" if pipelined_prefill and queue_chunks else "prefill chunks block (`prefill_chunks`)")
+        """Why decode steps cannot carry prefill chunks as the setting asks ("" when they can)."""
+        self.fused = wanted and not self.fuse_unavailable
+        """Whether each decode step's forward pass carries the next prefill chunk."""
+        if step_token_budget == "auto" and gpu:
             # Measured on an H100 (docs/stalls.md): a prefill chunk is a forward pass of its own,
             # as costly on the host as a decode step, so spreading prefill over many steps kept
             # only 0.29-0.63x the throughput at 32-64 streams.
@@ -341,7 +354,7 @@ class MLXEngine:
         self._install()
 
     def _install(self) -> None:
-        self._prefill = install(self._gen, fuse=self._fuse) if self._pipelined else None
+        self._prefill = install(self._gen, fuse=self.fused) if self._pipelined else None
         if self._prefill is not None:
             generation_batch(self._gen).on_queue = self._queued
 
