@@ -243,6 +243,17 @@ def test_the_fuse_prefill_setting_reaches_the_engine(model_cache: Path, value: s
         built.close()
 
 
+def test_without_our_prefill_path_nothing_claims_the_one_pass(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import workers.batching.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "install", lambda gen, fuse=False: None)  # an mlx-lm that changed
+    e = MLXEngine(tiny_model, vocab_size=256, max_batch=6, prefill_batch=4, prefill_step=64)
+    assert e.fused is False
+    assert "prefill path is unavailable" in e.fuse_unavailable
+
+
 def test_auto_fuses_on_the_cpu_backend_only() -> None:
     assert fuses("auto", gpu=False) and not fuses("auto", gpu=True)
     assert fuses(True, gpu=True) and not fuses(False, gpu=False)

@@ -355,6 +355,8 @@ class MLXEngine:
 
     def _install(self) -> None:
         self._prefill = install(self._gen, fuse=self.fused) if self._pipelined else None
+        if self._prefill is None and self.fused:  # this mlx-lm lacks what our prefill path needs
+            self.fused, self.fuse_unavailable = False, "our prefill path is unavailable (see its warning)"
         if self._prefill is not None:
             generation_batch(self._gen).on_queue = self._queued
 
