@@ -85,11 +85,10 @@ class PipelinedPrefill(PromptProcessingBatch):
         return mlx_lm_generate._right_pad_prompts(tokens, max_length=longest), True
 
     def _run(self, batch: mx.array, padded: bool) -> None:
-        run = mx.async_eval if self.decoding else mx.eval
         while batch.shape[1] > 0:
             n = min(self.prefill_step_size, batch.shape[1])
             self.model(batch[:, :n], cache=self.prompt_cache)
-            run([c.state for c in self.prompt_cache])
+            self._evaluate()
             batch = batch[:, n:]
         if padded:
             self.finalize_chunk()
@@ -98,6 +97,10 @@ class PipelinedPrefill(PromptProcessingBatch):
         """After a right-padded chunk: its padding becomes left padding, as mlx-lm's `prompt` does."""
         for c in self.prompt_cache:
             c.finalize()
+        self._evaluate()
+
+    def _evaluate(self) -> None:
+        """The caches' new state, queued while rows decode (the pipeline goes on), else waited for."""
         run = mx.async_eval if self.decoding else mx.eval
         run([c.state for c in self.prompt_cache])
 
