@@ -34,6 +34,14 @@ def test_fixed_budget_splits_among_prompts_and_caps_how_many() -> None:
     assert small.plan(decoding=10, in_prefill=0, waiting=9, room=50) == (40, 1)
 
 
+def test_a_granule_rounds_bounded_chunks_down_to_whole_multiples() -> None:
+    b = PrefillBudget(480, max_chunk=512, max_prompts=8, granule=64)
+    assert b.plan(decoding=10, in_prefill=0, waiting=1, room=50) == (448, 8)  # 480 -> 7 x 64
+    assert b.plan(decoding=10, in_prefill=3, waiting=0, room=50) == (128, 8)  # 160 -> 2 x 64
+    assert b.plan(decoding=10, in_prefill=8, waiting=0, room=50) == (60, 8)  # under one: as it is
+    assert b.plan(decoding=0, in_prefill=8, waiting=0, room=50) == (512, 8)  # nothing to stall
+
+
 def test_auto_budget_keeps_a_full_batch_fed_and_fills_free_slots() -> None:
     b = PrefillBudget("auto", max_chunk=512, max_prompts=8, max_batch=64)
     assert b.tokens() == max(AUTO_MIN_CAP, AUTO_TOKENS_PER_SLOT * 64)  # before any prompt was seen

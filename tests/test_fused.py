@@ -71,6 +71,21 @@ def test_one_pass_gives_what_the_two_passes_give(kind: str) -> None:
         assert mx.allclose(a.values[..., : a._idx, :], b.values[..., : b._idx, :], atol=1e-4).item()
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_rows_padded_to_a_multiple_change_nothing(kind: str) -> None:
+    model = build(kind)
+    inputs, chunk = mx.array([[12], [13], [14]]), mx.array([[20, 21, 22, 23], [24, 25, 0, 0]])
+    plain, plain_chunk = decode_caches(model), chunk_caches(model)
+    padded, padded_chunk = decode_caches(model), chunk_caches(model)
+    want = forward(model, inputs, plain, chunk, plain_chunk)
+    got = forward(model, inputs, padded, chunk, padded_chunk, pad_rows=16)  # 11 rows -> 16
+    assert got.shape == want.shape == (3, 1, 256)
+    assert mx.allclose(got, want, atol=1e-5).item()
+    for a, b in zip(plain_chunk + plain, padded_chunk + padded, strict=True):
+        assert a._idx == b._idx
+        assert mx.allclose(a.keys[..., : a._idx, :], b.keys[..., : b._idx, :], atol=1e-5).item()
+
+
 def test_blocks_it_does_not_restate_are_named() -> None:
     other = phi3.Model(phi3.ModelArgs(model_type="phi3", **SHAPE))  # one fused qkv projection
     assert "mlx_lm.models.phi3.TransformerBlock" in unfusable(other)

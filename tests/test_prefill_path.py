@@ -11,8 +11,9 @@ import pytest
 
 from workers.batching import fused
 from workers.batching.budget import AUTO_MIN_CAP
-from workers.batching.engine import MLXEngine, fuses
+from workers.batching.engine import AUTO_PAD, MLXEngine, fuses, pads
 from workers.batching.mlxlm import generation_batch
+from workers.batching.prefill import PipelinedPrefill
 from workers.messages import Admit, SamplingSpec
 
 if TYPE_CHECKING:
@@ -33,10 +34,10 @@ def workload(n: int, seed: int = 0) -> list[Admit]:
 
 
 def engine(model: Any, ours: bool, *, queue_chunks: bool = True, budget: int = 24,
-           fuse: bool = True) -> MLXEngine:
+           fuse: bool = True, pad: int = 0) -> MLXEngine:
     return MLXEngine(model, vocab_size=256, max_batch=6, prefill_batch=4, prefill_step=64,
                      step_token_budget=budget, pipelined_prefill=ours, queue_chunks=queue_chunks,
-                     fuse_prefill=fuse)
+                     fuse_prefill=fuse, prefill_pad=pad)
 
 
 def run(e: MLXEngine, admits: list[Admit], extra: list[tuple[bool, int]] | None = None,
@@ -248,17 +249,75 @@ def test_without_our_prefill_path_nothing_claims_the_one_pass(
 ) -> None:
     import workers.batching.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "install", lambda gen, fuse=False: None)  # an mlx-lm that changed
+    monkeypatch.setattr(engine_module, "install", lambda gen, **_: None)  # an mlx-lm that changed
     e = MLXEngine(tiny_model, vocab_size=256, max_batch=6, prefill_batch=4, prefill_step=64)
     assert e.fused is False
     assert "prefill path is unavailable" in e.fuse_unavailable
 
 
-def test_auto_fuses_on_the_cpu_backend_only() -> None:
-    assert fuses("auto", gpu=False) and not fuses("auto", gpu=True)
+def test_auto_fuses_on_the_cpu_and_cuda_backends_not_on_metal() -> None:
+    assert fuses("auto", gpu=False) and fuses("auto", gpu=True, cuda=True)
+    assert not fuses("auto", gpu=True)
     assert fuses(True, gpu=True) and not fuses(False, gpu=False)
     with pytest.raises(ValueError, match="fuse_prefill.*'sometimes'"):
         fuses("sometimes", gpu=False)
+
+
+@pytest.mark.parametrize(("budget", "fuse"), [(0, False), (0, True), (24, True), (24, False)])
+def test_passes_padded_to_repeating_lengths_give_the_same_tokens(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch, budget: int, fuse: bool
+) -> None:
+    lengths: list[int] = []
+    prepared = PipelinedPrefill._prepared
+
+    def recorded(self: PipelinedPrefill, tokens: list[list[int]]) -> Any:
+        batch, padded = prepared(self, tokens)
+        lengths.append(batch.shape[1])
+        return batch, padded
+
+    monkeypatch.setattr(PipelinedPrefill, "_prepared", recorded)
+    admits = workload(16, seed=2)
+    padded = run(engine(tiny_model, True, budget=budget, fuse=fuse, pad=16), admits)
+    assert lengths and all(n % 16 == 0 for n in lengths)
+    lengths.clear()
+    plain = run(engine(tiny_model, True, budget=budget, fuse=fuse), admits)
+    assert any(n % 16 for n in lengths)  # the same prompts unpadded: lengths of every kind
+    assert padded == plain
+    assert [len(padded[a.rid]) for a in admits] == [a.max_tokens for a in admits]
+
+
+def test_auto_pads_on_cuda_for_plain_kv_caches_only() -> None:
+    assert pads("auto", cuda=True, plain_kv=True) == AUTO_PAD
+    assert pads("auto", cuda=False, plain_kv=True) == 0
+    assert pads("auto", cuda=True, plain_kv=False) == 0
+    assert pads(32, cuda=False, plain_kv=False) == 32 and pads(0, cuda=True, plain_kv=True) == 0
+    for bad in (-1, True, "some"):
+        with pytest.raises(ValueError, match="prefill_pad"):
+            pads(bad, cuda=True, plain_kv=True)
+
+
+@pytest.mark.parametrize(("value", "pad"), [('"auto"', 0), ("32", 32)])
+def test_the_prefill_pad_setting_reaches_the_engine_and_stats(model_cache: Path, value: str, pad: int) -> None:
+    from scheduler import SchedulerConfig
+    from scheduler.assembly import real_engine_factory
+
+    cfg = SchedulerConfig.from_toml(
+        f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"\n[worker]\nprefill_pad = {value}'
+    )
+    built, loaded = real_engine_factory(cfg)()
+    try:  # "auto" on this CPU backend: no padding
+        assert built.prefill_pad == pad == loaded.prefill_pad
+        assert built._prefill is not None and built._prefill.pad_to == pad
+    finally:
+        built.close()
+
+
+def test_a_bad_prefill_pad_setting_is_named() -> None:
+    from scheduler import SchedulerConfig
+    from scheduler.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"worker\.prefill_pad"):
+        SchedulerConfig.from_toml("[worker]\nprefill_pad = -8")
 
 
 def test_a_bad_fuse_prefill_setting_is_named() -> None:

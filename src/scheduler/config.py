@@ -115,10 +115,15 @@ class WorkerSection(_Section):
     fuse_prefill: bool | Literal["auto"] = "auto"
     """While others decode, each decode step's forward pass also carries the next prefill chunk
     (its projections and MLPs shared, its attention apart), rather than the chunk running a pass of
-    its own. "auto": on the CPU backend, off on a GPU (where it measured no faster; see Stall-free
+    its own. "auto": on the CPU and CUDA backends, off on Metal (not measured there; see Stall-free
     admission). Models with llama's, qwen2's or qwen3's blocks (SmolLM2, Llama, Mistral, Qwen2,
     Qwen3); for others the log says so once, and `stats().fused_prefill` is false. Needs queued
     `prefill_chunks`."""
+    prefill_pad: Annotated[int, msgspec.Meta(ge=0)] | Literal["auto"] = "auto"
+    """Right-pad each prefill pass's prompts to a multiple of this many tokens, so that passes
+    repeat a few shapes; 0: to the longest prompt only, as mlx-lm does. "auto": 64 on MLX's CUDA
+    backend, where a matrix product on a shape not seen before costs 1-2 ms more, for models
+    whose caches are plain KV caches; 0 elsewhere."""
     on_failure: Literal["restart", "close"] = "restart"
     """After a failed step: a fresh BatchGenerator serves the queue, or the scheduler closes."""
     fold_quantized: bool = True

@@ -115,9 +115,12 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     layers, or an mlx-lm whose internals changed; the log says which)."""
     fused_prefill: bool = False
     """True when a decode step's forward pass carries the next prefill chunk (`fuse_prefill`, on by
-    default on the CPU backend); false when the chunk runs a pass of its own: off by setting or on
-    a GPU by default, or the model's blocks are not llama's, qwen2's or qwen3's, or chunks block
+    default on the CPU and CUDA backends); false when the chunk runs a pass of its own: off by
+    setting or on Metal by default, or the model's blocks are not llama's, qwen2's or qwen3's, or chunks block
     (the log says which)."""
+    prefill_pad: int = 0
+    """Prefill passes' prompts are right-padded to a multiple of this many tokens (`[worker]
+    prefill_pad`; "auto": 64 on CUDA, else 0), so that their shapes repeat."""
     host_padding: bool = True
     """False when rows that leave the batch wait for the device, as in mlx-lm's own loop (an
     mlx-lm whose batch cache changed; the log says what differs)."""

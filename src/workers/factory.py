@@ -76,6 +76,8 @@ class Loaded(msgspec.Struct, frozen=True):
     """Why decode steps cannot carry prefill chunks as `fuse_prefill` asks ("" when they can)."""
     fused_prefill: bool = False
     """Whether each decode step's forward pass carries the next prefill chunk."""
+    prefill_pad: int = 0
+    """Prefill passes' prompts are right-padded to a multiple of this many tokens (0: not)."""
     host_padding_unavailable: str = ""
     """Why rows leaving the batch wait for the device, as in mlx-lm ("" when they do not)."""
     precision: Precision = Precision(dtype="")
@@ -97,6 +99,7 @@ def mlx_engine_factory(
     prefill_chunks: str = "auto",
     prefill_pack: bool = True,
     fuse_prefill: bool | str = "auto",
+    prefill_pad: int | str = "auto",
     block_tokens: int = 256,
     cuda_graphs: str = "auto",
     fold_quantized: bool = True,
@@ -137,6 +140,7 @@ def mlx_engine_factory(
             queue_chunks=prefill_chunks != "blocking",  # "auto": queued on every backend
             pack_prompts=prefill_pack,
             fuse_prefill=fuse_prefill,
+            prefill_pad=prefill_pad,
             block_tokens=block_tokens,
             grammar=grammar,
         )
@@ -151,6 +155,7 @@ def mlx_engine_factory(
             prefix_unavailable=engine.support.reason,
             mask_free_unavailable=engine.mask_free_unavailable,
             fuse_unavailable=engine.fuse_unavailable, fused_prefill=engine.fused,
+            prefill_pad=engine.prefill_pad,
             host_padding_unavailable=host_padding_unavailable(),
             precision=loaded_model.precision, blas=blas_state(),
             grammar_unavailable=grammar_unavailable,

@@ -48,7 +48,7 @@ class PrefillBudget:
 
     def __init__(
         self, limit: int | str, *, max_chunk: int, max_prompts: int, max_batch: int = 64,
-        pack: bool = False,
+        pack: bool = False, granule: int = 0,
     ) -> None:
         if limit != "auto" and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
             raise ValueError(f"step_token_budget must be 'auto' or an integer >= 0, got {limit!r}")
@@ -57,6 +57,9 @@ class PrefillBudget:
         self._max_prompts = max_prompts
         self._max_batch = max_batch
         self._pack = pack
+        self._granule = granule
+        """A bounded step's chunks are whole multiples of this many tokens where they can be, so
+        that the padded passes (`[worker] prefill_pad`) keep repeating shapes."""
         self.prompt_tokens: float | None = None
         """Smoothed length of inserted prompts."""
         self.output_tokens: float | None = None
@@ -97,7 +100,10 @@ class PrefillBudget:
         cap = max(1, min(self._max_prompts, budget // MIN_CHUNK))
         joining = max(0, min(cap - in_prefill, room, waiting))
         prefilling = max(1, in_prefill + joining)
-        return max(1, min(self._max_chunk, budget // prefilling)), cap
+        chunk = max(1, min(self._max_chunk, budget // prefilling))
+        if self._granule > 1 and chunk > self._granule:
+            chunk -= chunk % self._granule
+        return chunk, cap
 
     def packed(self, chunks: Iterable[int], most: int) -> int:
         """How many prompts one full-speed prefill pass takes: as many as fit, in order, while

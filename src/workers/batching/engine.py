@@ -32,6 +32,7 @@ from workers.batching.mlxlm import (
 )
 from workers.batching.prefill import PipelinedPrefill, install
 from workers.batching.samplers import Samplers
+from workers.loading.dtypes import on_cuda
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -42,16 +43,33 @@ if TYPE_CHECKING:
 log = structlog.get_logger("workers")
 
 
-def fuses(setting: bool | str, *, gpu: bool) -> bool:
-    """Whether `[worker] fuse_prefill` asks for the one-pass step: "auto" on the CPU backend only.
-    On an H100 at budget 0 (a GPU's default) one pass gave 0.95-1.05x the tokens/s of two, and a
-    TTFT p99 1.19x as long at 32 streams on the 0.5B shape in two runs (docs/stalls.md); on the
-    CPU it gave 1.05-1.15x the tokens/s with the ITL bound held."""
+AUTO_PAD = 64
+
+
+def fuses(setting: bool | str, *, gpu: bool, cuda: bool = False) -> bool:
+    """Whether `[worker] fuse_prefill` asks for the one-pass step: "auto" on the CPU and CUDA
+    backends, not on Metal (not measured there). On the CPU it gave 1.05-1.15x the tokens/s of
+    two passes with the ITL bound held; on an H100 at budget 0 (a GPU's default), with passes
+    padded to repeating shapes (`pads`), 1.02-1.12x the tokens/s of the padded two passes, a
+    TTFT p99 0.72-0.96x as long and a lower ITL p99 on the 0.5B and 1B shapes at 32 and 64
+    streams (docs/stalls.md). Unpadded it had been a wash there."""
     if setting == "auto":
-        return not gpu
+        return not gpu or cuda
     if isinstance(setting, bool):
         return setting
     raise ValueError(f"fuse_prefill must be true, false or 'auto', got {setting!r}")
+
+
+def pads(setting: int | str, *, cuda: bool, plain_kv: bool) -> int:
+    """`[worker] prefill_pad` as a multiple of tokens (0: none). "auto": 64 on CUDA for models
+    whose caches are all plain KV caches. There the matrix products of a pass cost 1-2 ms more
+    on shapes MLX has not run before (cuBLAS picks a kernel per shape), and prompts of any
+    length made nearly every pass new; on the CPU padding is only more arithmetic."""
+    if setting == "auto":
+        return AUTO_PAD if cuda and plain_kv else 0
+    if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0:
+        return setting
+    raise ValueError(f"prefill_pad must be 'auto' or an integer >= 0, got {setting!r}")
 
 
 class MLXEngine:
@@ -73,6 +91,7 @@ class MLXEngine:
         queue_chunks: bool = True,
         pack_prompts: bool = True,
         fuse_prefill: bool | str = "auto",
+        prefill_pad: int | str = "auto",
     ) -> None:
         self._grammar = None if grammar is None else GrammarRows(grammar, self._decoding_inputs)
         # Sessions need caches mlx-lm can extract and re-insert; prefix blocks need plain KVCaches.
@@ -84,12 +103,14 @@ class MLXEngine:
         self._emitting: set[int] = set()
         """Requests that have emitted a token (the others are still prefilling)."""
         gpu = mx.default_device().type == mx.DeviceType.gpu
-        wanted = fuses(fuse_prefill, gpu=gpu)
+        wanted = fuses(fuse_prefill, gpu=gpu, cuda=on_cuda())
         self.fuse_unavailable = "" if not wanted else unfusable(model) or (
             "" if pipelined_prefill and queue_chunks else "prefill chunks block (`prefill_chunks`)")
         """Why decode steps cannot carry prefill chunks as the setting asks ("" when they can)."""
         self.fused = wanted and not self.fuse_unavailable
         """Whether each decode step's forward pass carries the next prefill chunk."""
+        self.prefill_pad = pads(prefill_pad, cuda=on_cuda(), plain_kv=self.support.prefix_blocks)
+        """Prefill passes' prompts are right-padded to a multiple of this many tokens (0: not)."""
         if step_token_budget == "auto" and gpu:
             # Measured on an H100 (docs/stalls.md): a prefill chunk is a forward pass of its own,
             # as costly on the host as a decode step, so spreading prefill over many steps kept
@@ -101,6 +122,7 @@ class MLXEngine:
             max_prompts=min(prefill_batch, max_batch),
             max_batch=max_batch,
             pack=pack_prompts,
+            granule=self.prefill_pad,
         )
         self._model = model
         self._batching: dict[str, Any] = dict(
@@ -354,7 +376,8 @@ class MLXEngine:
         self._install()
 
     def _install(self) -> None:
-        self._prefill = install(self._gen, fuse=self.fused) if self._pipelined else None
+        self._prefill = (install(self._gen, fuse=self.fused, pad_to=self.prefill_pad)
+                         if self._pipelined else None)
         if self._prefill is None and self.fused:  # this mlx-lm lacks what our prefill path needs
             self.fused, self.fuse_unavailable = False, "our prefill path is unavailable (see its warning)"
         if self._prefill is not None:

@@ -70,17 +70,22 @@ def _attend(attn: Any, q: mx.array, k: mx.array, v: mx.array, rows: int, length:
 
 
 def forward(model: Any, inputs: mx.array, caches: list[Any], chunk: mx.array,
-            chunk_caches: list[Any]) -> mx.array:
+            chunk_caches: list[Any], pad_rows: int = 0) -> mx.array:
     """The decode rows' logits, `(rows, 1, vocab)`, as `model(inputs, cache=caches)` gives them;
     the chunk's keys and values land in `chunk_caches`, as `model(chunk, cache=chunk_caches)`
-    would leave them. `inputs`: `(rows, 1)` tokens; `chunk`: `(prompts, length)` tokens."""
+    would leave them. `inputs`: `(rows, 1)` tokens; `chunk`: `(prompts, length)` tokens.
+    `pad_rows`: the projections and MLPs run on a multiple of this many rows (zero rows added, read
+    by nothing), so that their matrix products repeat a few shapes."""
     inner = model.model
     rows, (prompts, length) = inputs.shape[0], chunk.shape
     hd, hc = inner.embed_tokens(inputs), inner.embed_tokens(chunk)
     # Before any layer stores this step's keys, as the model's own pass asks.
     decode_mask = create_attention_mask(hd, caches[0])
     chunk_mask = create_attention_mask(hc, chunk_caches[0])
-    x = mx.concatenate([hd.reshape(rows, -1), hc.reshape(prompts * length, -1)])
+    flat = rows + prompts * length
+    extra = (-flat) % pad_rows if pad_rows > 1 else 0
+    parts = [hd.reshape(rows, -1), hc.reshape(prompts * length, -1)]
+    x = mx.concatenate(parts + [mx.zeros((extra, hd.shape[-1]), hd.dtype)] if extra else parts)
     last = len(inner.layers) - 1
     for i, (layer, dc, cc) in enumerate(zip(inner.layers, caches, chunk_caches, strict=True)):
         attn = layer.self_attn
@@ -88,12 +93,15 @@ def forward(model: Any, inputs: mx.array, caches: list[Any], chunk: mx.array,
         k, v = attn.k_proj(h), attn.v_proj(h)
         if i < last:
             q = attn.q_proj(h)
-            out = mx.concatenate([
+            parts = [
                 _attend(attn, q[:rows], k[:rows], v[:rows], rows, 1, dc, decode_mask),
-                _attend(attn, q[rows:], k[rows:], v[rows:], prompts, length, cc, chunk_mask),
-            ])
+                _attend(attn, q[rows:flat], k[rows:flat], v[rows:flat], prompts, length, cc, chunk_mask),
+            ]
+            if extra:
+                parts.append(mx.zeros((extra, parts[0].shape[-1]), parts[0].dtype))
+            out = mx.concatenate(parts)
         else:  # nothing reads the chunk's outputs past its last keys and values
-            _store(attn, k[rows:], v[rows:], prompts, length, cc)
+            _store(attn, k[rows:flat], v[rows:flat], prompts, length, cc)
             x, h = x[:rows], h[:rows]
             out = _attend(attn, attn.q_proj(h), k[:rows], v[:rows], rows, 1, dc, decode_mask)
         x = x + attn.o_proj(out)

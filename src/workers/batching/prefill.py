@@ -54,6 +54,9 @@ class PipelinedPrefill(PromptProcessingBatch):
     _chunk: tuple[mx.array, bool] | None = None
     keep_cache: bool = False
     """Never empty MLX's buffer cache, even with nothing decoding (`install` sets it: `keeps_cache`)."""
+    pad_to: int = 0
+    """Right-pad every chunk's prompts to a multiple of this many tokens (0: to the longest one,
+    as mlx-lm does), so that passes repeat a few shapes (`install` sets it)."""
 
     def prompt(self, tokens: list[list[int]]) -> None:
         if len(self.uids) != len(tokens):
@@ -77,6 +80,8 @@ class PipelinedPrefill(PromptProcessingBatch):
             held += more
         lengths = [len(t) for t in tokens]
         longest = max(lengths)
+        if self.pad_to > 1:
+            longest = -(-longest // self.pad_to) * self.pad_to
         padding = [longest - n for n in lengths]
         if max(padding) == 0:
             return mx.array(tokens), False
@@ -195,7 +200,7 @@ class JoiningBatch(GenerationBatch):
         partner, model = self.partner, self.model
         chunk = partner.take_chunk() if partner is not None else None
         if partner is not None and chunk is not None:
-            self.model = _Carrying(model, chunk[0], partner.prompt_cache)
+            self.model = _Carrying(model, chunk[0], partner.prompt_cache, partner.pad_to)
         self._stepping = True
         try:
             return super()._step()
@@ -285,11 +290,11 @@ class JoiningBatch(GenerationBatch):
 class _Carrying:
     """The model as a decode step calls it, with a prefill chunk in the same pass (`fused.py`)."""
 
-    def __init__(self, model: Any, chunk: mx.array, caches: list[Any]) -> None:
-        self.model, self._chunk, self._caches = model, chunk, caches
+    def __init__(self, model: Any, chunk: mx.array, caches: list[Any], pad_rows: int = 0) -> None:
+        self.model, self._chunk, self._caches, self._pad = model, chunk, caches, pad_rows
 
     def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
-        return fused.forward(self.model, inputs, cache, self._chunk, self._caches)
+        return fused.forward(self.model, inputs, cache, self._chunk, self._caches, self._pad)
 
 
 def keeps_cache() -> bool:
@@ -305,13 +310,13 @@ def keeps_cache() -> bool:
     return on_cuda() or on_cpu()
 
 
-def install(gen: Any, *, fuse: bool = False) -> PipelinedPrefill | None:
+def install(gen: Any, *, fuse: bool = False, pad_to: int = 0) -> PipelinedPrefill | None:
     """Give a fresh `BatchGenerator` (before anything is inserted) the pipelined prompt batch
     and a joining generation batch; `split` copies the prompt batch by class and `extend` keeps
     the generation batch, so every later one is ours too. None (and a warning, once per
     generator): this mlx-lm lacks what they need, and the generator keeps its own. `fuse`: each
     decode step's forward pass carries the prompt batch's next chunk (for models that
-    `fused.unfusable` passes)."""
+    `fused.unfusable` passes). `pad_to`: `PipelinedPrefill.pad_to`."""
     missing = missing_prefill_fields(gen)
     if missing:
         log.warning("prefill_path_unavailable", missing=missing,
@@ -322,6 +327,7 @@ def install(gen: Any, *, fuse: bool = False) -> PipelinedPrefill | None:
     )
     batch.keep_cache = keeps_cache()
     batch.fuse = fuse
+    batch.pad_to = pad_to
     gen._prompt_batch = batch
     gen._generation_batch = JoiningBatch.empty(gen.model, gen.sampler)
     if fuse:
