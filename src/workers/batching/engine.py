@@ -49,10 +49,10 @@ AUTO_PAD = 64
 def fuses(setting: bool | str, *, gpu: bool, cuda: bool = False) -> bool:
     """Whether `[worker] fuse_prefill` asks for the one-pass step: "auto" on the CPU and CUDA
     backends, not on Metal (not measured there). On the CPU it gave 1.05-1.15x the tokens/s of
-    two passes with the ITL bound held; on an H100 at budget 0 (a GPU's default), with passes
-    padded to repeating shapes (`pads`), 1.02-1.12x the tokens/s of the padded two passes, a
-    TTFT p99 0.72-0.96x as long and a lower ITL p99 on the 0.5B and 1B shapes at 32 and 64
-    streams (docs/stalls.md). Unpadded it had been a wash there."""
+    two passes with the ITL bound held. On two H100s at budget 0 (a GPU's default), with passes
+    padded to repeating shapes (`pads`), it gave a lower ITL p99 than the padded two passes in
+    all eight cells (0.5B and 1B shapes, 32 and 64 streams), with 0.90-1.12x their tokens/s
+    (docs/stalls.md). Unpadded it had been a wash there."""
     if setting == "auto":
         return not gpu or cuda
     if isinstance(setting, bool):
