@@ -20,6 +20,11 @@ and the CPU they block and keep the cache: see `keeps_cache`).
 while rows decode is not run at all: it is left to the next decode step, whose forward pass
 carries it beside the decode rows' tokens. Whatever reads or reshapes the prompt caches first
 (a join, a row removed, a cache extracted, the next chunk) runs it as a pass of its own.
+
+**Shapes.** With `pad_to` (on CUDA), every chunk's prompts are right-padded to a multiple of it,
+the longest one too, through mlx-lm's own right padding: a pass's length, and so its prompt
+cache's length, then come from a few values, and so do the shapes of its matrix products, each
+of which costs MLX's CUDA backend 1-2 ms more the first time it runs (docs/stalls.md).
 """
 
 from __future__ import annotations
