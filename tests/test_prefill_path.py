@@ -11,7 +11,8 @@ import pytest
 
 from workers.batching import fused
 from workers.batching.budget import AUTO_MIN_CAP
-from workers.batching.engine import AUTO_PAD, MLXEngine, fuses, pads
+from workers.batching.choices import AUTO_PAD, fuses, pads
+from workers.batching.engine import MLXEngine
 from workers.batching.mlxlm import generation_batch
 from workers.batching.prefill import PipelinedPrefill
 from workers.messages import Admit, SamplingSpec
