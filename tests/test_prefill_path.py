@@ -287,6 +287,35 @@ def test_passes_padded_to_repeating_lengths_give_the_same_tokens(
     assert [len(padded[a.rid]) for a in admits] == [a.max_tokens for a in admits]
 
 
+@pytest.mark.parametrize("pad", [0, 64])
+def test_padding_that_every_row_of_a_pass_shares_is_gone_when_they_decode(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch, pad: int
+) -> None:
+    # Four prompts of one length at once, prefilled 127 tokens a row in chunks of 64 (the last one
+    # padded to 64 when `pad`): no row is left padded when they decode, so every decode step
+    # skips the mask, as with unpadded passes.
+    lengths: list[int] = []
+    prepared = PipelinedPrefill._prepared
+
+    def recorded(self: PipelinedPrefill, tokens: list[list[int]]) -> Any:
+        batch, padded = prepared(self, tokens)
+        lengths.append(batch.shape[1])
+        return batch, padded
+
+    monkeypatch.setattr(PipelinedPrefill, "_prepared", recorded)
+    rng = random.Random(3)
+    e = engine(tiny_model, True, budget=0, pad=pad)
+    e.insert([Admit(rid=i, prompt=[rng.randrange(3, 200) for _ in range(128)], max_tokens=12,
+                    sampling=SamplingSpec(), stop_token_ids=()) for i in range(4)])
+    tokens = 0
+    while e.has_work():
+        tokens += len(e.step().tokens)
+    assert tokens == 4 * 12
+    assert lengths == ([64, 64] if pad else [64, 63])
+    assert e.mask_free.masked_steps == 0 and e.mask_free.mask_free_steps >= 10
+    e.close()
+
+
 def test_auto_pads_on_cuda_for_plain_kv_caches_only() -> None:
     assert pads("auto", cuda=True, plain_kv=True) == AUTO_PAD
     assert pads("auto", cuda=False, plain_kv=True) == 0
