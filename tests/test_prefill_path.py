@@ -264,19 +264,25 @@ def test_auto_fuses_on_the_cpu_and_cuda_backends_not_on_metal() -> None:
         fuses("sometimes", gpu=False)
 
 
-@pytest.mark.parametrize(("budget", "fuse"), [(0, False), (0, True), (24, True), (24, False)])
-def test_passes_padded_to_repeating_lengths_give_the_same_tokens(
-    tiny_model: Any, monkeypatch: pytest.MonkeyPatch, budget: int, fuse: bool
-) -> None:
-    lengths: list[int] = []
+@pytest.fixture
+def lengths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of every prefill pass's token array, as the prompt batch prepares them."""
+    seen: list[int] = []
     prepared = PipelinedPrefill._prepared
 
     def recorded(self: PipelinedPrefill, tokens: list[list[int]]) -> Any:
         batch, padded = prepared(self, tokens)
-        lengths.append(batch.shape[1])
+        seen.append(batch.shape[1])
         return batch, padded
 
     monkeypatch.setattr(PipelinedPrefill, "_prepared", recorded)
+    return seen
+
+
+@pytest.mark.parametrize(("budget", "fuse"), [(0, False), (0, True), (24, True), (24, False)])
+def test_passes_padded_to_repeating_lengths_give_the_same_tokens(
+    tiny_model: Any, lengths: list[int], budget: int, fuse: bool
+) -> None:
     admits = workload(16, seed=2)
     padded = run(engine(tiny_model, True, budget=budget, fuse=fuse, pad=16), admits)
     assert lengths and all(n % 16 == 0 for n in lengths)
@@ -289,20 +295,11 @@ def test_passes_padded_to_repeating_lengths_give_the_same_tokens(
 
 @pytest.mark.parametrize("pad", [0, 64])
 def test_padding_that_every_row_of_a_pass_shares_is_gone_when_they_decode(
-    tiny_model: Any, monkeypatch: pytest.MonkeyPatch, pad: int
+    tiny_model: Any, lengths: list[int], pad: int
 ) -> None:
     # Four prompts of one length at once, prefilled 127 tokens a row in chunks of 64 (the last one
     # padded to 64 when `pad`): no row is left padded when they decode, so every decode step
     # skips the mask, as with unpadded passes.
-    lengths: list[int] = []
-    prepared = PipelinedPrefill._prepared
-
-    def recorded(self: PipelinedPrefill, tokens: list[list[int]]) -> Any:
-        batch, padded = prepared(self, tokens)
-        lengths.append(batch.shape[1])
-        return batch, padded
-
-    monkeypatch.setattr(PipelinedPrefill, "_prepared", recorded)
     rng = random.Random(3)
     e = engine(tiny_model, True, budget=0, pad=pad)
     e.insert([Admit(rid=i, prompt=[rng.randrange(3, 200) for _ in range(128)], max_tokens=12,
