@@ -66,13 +66,15 @@ def bare_loop(model: object, prompts: list[list[int]], concurrency: int, max_tok
 
 
 def engine_loop(model: object, vocab: int, prompts: list[list[int]], concurrency: int, max_tokens: int,
-                prefill_batch: int, prefill_step: int, budget: int | str) -> tuple[int, float]:
+                prefill_batch: int, prefill_step: int, budget: int | str,
+                fuse_prefill: bool | str = "auto", prefill_pad: int | str = "auto") -> tuple[int, float]:
     """A tight loop over our engine keeping `concurrency` sequences in flight (no actors)."""
     from workers.batching.engine import MLXEngine
     from workers.messages import Admit, SamplingSpec
 
     engine = MLXEngine(model, vocab_size=vocab, max_batch=concurrency, prefill_batch=prefill_batch,
-                       prefill_step=prefill_step, step_token_budget=budget)
+                       prefill_step=prefill_step, step_token_budget=budget, fuse_prefill=fuse_prefill,
+                       prefill_pad=prefill_pad)
     todo = list(prompts)
     made = 0
 
@@ -171,6 +173,9 @@ def main() -> None:
                          "257 tokens; 16 keeps every 16 tokens, as vLLM's blocks)")
     ap.add_argument("--stream", action="store_true",
                     help="our clients stream with generate() (a chunk per step) instead of complete()")
+    ap.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE",
+                    help='a [worker] setting for our side (engine and scheduler), as TOML: '
+                         '--worker prefill_pad=0 --worker fuse_prefill=false (the GPU defaults before 2026-11-27)')
     ap.add_argument("--out", default="benchmarks/results/overhead.json")
     args = ap.parse_args()
     configure_logging(level="warning")
@@ -188,7 +193,7 @@ def main() -> None:
                                args.seed + n)
         config = SchedulerConfig.from_toml(
             f'[model]\npath = "{args.model}"\n[worker]\nmax_batch = {n}\n'
-            f"step_token_budget = {budget}\n"
+            f"step_token_budget = {budget}\n" + "".join(f"{kv}\n" for kv in args.worker) +
             f'[kvpool]\nmemory = "8GiB"\nblock_tokens = {args.block_tokens}\n'
             f'prefix_cache = {str(args.prefix_cache == "on").lower()}\n'
         )
@@ -197,7 +202,7 @@ def main() -> None:
 
         def engine(p: list[list[int]], n: int = n, w: Any = w) -> tuple[int, float]:
             return engine_loop(model, info.vocab_size, p, n, args.max_tokens, w.prefill_batch,
-                               w.prefill_step, w.step_token_budget)
+                               w.prefill_step, w.step_token_budget, w.fuse_prefill, w.prefill_pad)
 
         for _ in range(args.warmup):
             bare_loop(model, warm, n, args.max_tokens, w.prefill_batch, w.prefill_step)
@@ -262,7 +267,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "model": args.model, "step_token_budget": args.budget, "stream": args.stream, "prefix_cache": args.prefix_cache, "block_tokens": args.block_tokens, "repeat": args.repeat, "warmup": args.warmup, "waves": args.waves, "min_requests": args.min_requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "model": args.model, "step_token_budget": args.budget, "stream": args.stream, "prefix_cache": args.prefix_cache, "block_tokens": args.block_tokens, "worker": args.worker, "repeat": args.repeat, "warmup": args.warmup, "waves": args.waves, "min_requests": args.min_requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
         "device": str(mx.default_device()), "mlx": mx.__version__, "python": sys.version.split()[0],
         "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
     }
