@@ -6,7 +6,9 @@
 #   overhead    benchmarks/overhead.py at $CONCURRENCY (1 8 32 64 128 256), warmed up, at least
 #               $MIN_REQUESTS (64) requests a level (8 waves at 8 streams); $OVERHEAD_ARGS
 #               adds options (e.g. "--prefix-cache off": what keeping prompts' blocks costs, which
-#               needs "--block-tokens 16": the default 256 keeps no block of a 128-token prompt)
+#               needs "--block-tokens 16": the default 256 keeps no block of a 128-token prompt;
+#               "--worker prefill_pad=0 --worker fuse_prefill=false": our side with the GPU's
+#               prefill defaults before 2026-11-27, to compare with today's)
 #   peers-low   benchmarks/peers.py, all four backends at 1 8 32
 #   peers-high  benchmarks/peers.py at 64 128 256, without sequential stream_generate (it would
 #               take minutes per level: one request at a time)
