@@ -74,14 +74,14 @@ class MLXEngine:
         self._session_of: dict[int, str] = {}
         self._emitting: set[int] = set()
         """Requests that have emitted a token (the others are still prefilling)."""
-        gpu = mx.default_device().type == mx.DeviceType.gpu
-        wanted = fuses(fuse_prefill, gpu=gpu, cuda=on_cuda())
+        gpu, cuda = mx.default_device().type == mx.DeviceType.gpu, on_cuda()
+        wanted = fuses(fuse_prefill, gpu=gpu, cuda=cuda)
         self.fuse_unavailable = "" if not wanted else unfusable(model) or (
             "" if pipelined_prefill and queue_chunks else "prefill chunks block (`prefill_chunks`)")
         """Why decode steps cannot carry prefill chunks as the setting asks ("" when they can)."""
         self.fused = wanted and not self.fuse_unavailable
         """Whether each decode step's forward pass carries the next prefill chunk."""
-        self.prefill_pad = pads(prefill_pad, cuda=on_cuda(), plain_kv=self.support.prefix_blocks)
+        self.prefill_pad = pads(prefill_pad, cuda=cuda, plain_kv=self.support.prefix_blocks)
         """Prefill passes' prompts are right-padded to a multiple of this many tokens (0: not)."""
         if step_token_budget == "auto" and gpu:
             # Measured on an H100 (docs/stalls.md): a prefill chunk is a forward pass of its own,

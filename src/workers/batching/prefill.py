@@ -295,7 +295,7 @@ class JoiningBatch(GenerationBatch):
 class _Carrying:
     """The model as a decode step calls it, with a prefill chunk in the same pass (`fused.py`)."""
 
-    def __init__(self, model: Any, chunk: mx.array, caches: list[Any], pad_rows: int = 0) -> None:
+    def __init__(self, model: Any, chunk: mx.array, caches: list[Any], pad_rows: int) -> None:
         self.model, self._chunk, self._caches, self._pad = model, chunk, caches, pad_rows
 
     def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
