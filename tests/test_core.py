@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
 import pytest
 
-from kvpool.books import BlockBooks
+from kvpool.books import BlockBooks, blocks_for
+from kvpool.dense import padding_blocks
 from kvpool.messages import PoolReplies, Release, Reserve, Resize
 from kvpool.pool import apply_batch
 from metrics.observer import NullObserver
@@ -39,6 +41,7 @@ class Harness:
     max_batch: int = 4
     max_queue: int = 100
     policy: str = "fcfs"
+    dense_step: int = 1
     core: AdmissionCore = field(init=False)
     books: BlockBooks = field(init=False)
     worker: list[Admit | Abort | object] = field(default_factory=list)
@@ -49,7 +52,7 @@ class Harness:
     def __post_init__(self) -> None:
         self.books = BlockBooks(self.blocks, 16, 1)
         plan = KVPlan(mode=self.mode, block_tokens=16, blocks_total=self.blocks,  # type: ignore[arg-type]
-                      watermark=0.0, dense_step=1)
+                      watermark=0.0, dense_step=self.dense_step)
         self.core = AdmissionCore(
             policy=make_policy(self.policy), codec=FakeCodec(), eos_token_ids=(EOS,), plan=plan,
             prefix_cache=True, max_batch=self.max_batch, max_queue=self.max_queue,
@@ -148,6 +151,55 @@ def test_a_step_delivers_each_chunk_and_a_successor_shares_the_release_batch() -
     assert final is not None and final.finish_reason == "length" and final.completion_tokens == 2
     assert h.admits()[-1].rid == c
     assert h.books.held(a) == 0
+
+
+def test_the_padding_booked_with_each_reserve_and_release_is_that_of_the_rows_then_held() -> None:
+    """The books keep the rows' longest planned length as it changes rather than walking every
+    row on each admission and release: the padding each command carries must still be what the
+    rows held at that moment need."""
+    rng = random.Random(7)
+    h = Harness(max_batch=8, blocks=4096, dense_step=256)
+    sizes = {}
+    for _ in range(60):
+        prompt, max_tokens = rng.randrange(1, 300), rng.choice([2, 3, 40, 200])
+        sizes[h.submit([rng.randrange(1, 90) for _ in range(prompt)], max_tokens=max_tokens)] = prompt + max_tokens
+    finals: dict[int, int] = {}  # the rows the books hold, by the commands sent so far
+    padding = 0
+    checked = 0
+    alive: set[int] = set()  # admitted to the worker, not finished yet
+
+    def check(batch: list[object]) -> None:
+        nonlocal padding, checked
+        for cmd in batch:
+            if isinstance(cmd, Reserve):
+                finals[cmd.rid] = sizes[cmd.rid]
+                held = sum(blocks_for(n, 16) for n in finals.values())
+                padding = padding_blocks(finals.values(), held, 16, 256)
+                assert cmd.padding == padding
+            elif isinstance(cmd, Release):
+                del finals[cmd.rid]
+                held = sum(blocks_for(n, 16) for n in finals.values())
+                padding = min(padding, padding_blocks(finals.values(), held, 16, 256))
+                assert cmd.padding == padding
+            else:
+                continue
+            checked += 1
+
+    while h.core.running or h.core.waiting:
+        seen = len(h.batches)
+        h.settle()
+        for batch in h.batches[seen:]:
+            check(batch)
+        alive.update(a.rid for a in h.admits())
+        h.worker.clear()
+        done = {rid: "length" for rid in alive if rng.random() < 0.4}
+        h.step(dict.fromkeys(alive, 5), finished=done)
+        alive -= done.keys()
+    seen = len(h.batches)
+    h.settle()
+    for batch in h.batches[seen:]:
+        check(batch)
+    assert checked == 120 and finals == {}  # every request reserved and released once
 
 
 def test_cancel_in_every_state_ends_once_and_returns_every_block() -> None:

@@ -73,6 +73,19 @@ def padding_blocks(
     for n in lengths:
         rows += 1
         longest = max(longest, n)
+    return padding_of(rows, longest, held, block_tokens, step, layers)
+
+
+def padding_of(
+    rows: int,
+    longest: int,
+    held: int,
+    block_tokens: int,
+    step: int = DENSE_STEP,
+    layers: LayerBytes | None = None,
+) -> int:
+    """`padding_blocks` of `rows` rows, the longest `longest` tokens: all the dense cache's size
+    depends on, so callers that keep both need not walk the rows."""
     if layers is None:
         return max(0, blocks_for(dense_tokens(rows, longest, step), block_tokens) - held)
     block_bytes = block_tokens * layers.unit

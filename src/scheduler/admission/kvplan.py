@@ -13,14 +13,12 @@ from array import array
 from typing import TYPE_CHECKING, Literal
 
 from kvpool.books import blocks_for
-from kvpool.dense import LayerBytes, padding_blocks
+from kvpool.dense import LayerBytes, padding_of
 from kvpool.pool import pool_blocks
 from scheduler.config import memory_spec
 from scheduler.errors import ConfigError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
     from scheduler.config import KVPoolSection
     from workers.loading.models import ModelInfo
 
@@ -139,12 +137,13 @@ class KVPlan:
         books then hold for the worst case), its current one on demand."""
         return final if self.mode == "reserve" else length
 
-    def padding(self, rows: Iterable[int], held: int) -> int:
-        return padding_blocks(rows, held, self.block_tokens, self.dense_step, self.layers)
+    def padding(self, rows: int, longest: int, held: int) -> int:
+        """Padding blocks of a dense cache of `rows` rows planned up to `longest` tokens."""
+        return padding_of(rows, longest, held, self.block_tokens, self.dense_step, self.layers)
 
     def alone(self, tokens: int) -> int:
         """Blocks a lone row of `tokens` tokens costs (what must fit in the pool at all)."""
-        return max(self.blocks(tokens), self.padding([tokens], 0))
+        return max(self.blocks(tokens), self.padding(1, tokens, 0))
 
     def too_big(self, prompt: int, max_tokens: int) -> str | None:
         """Why a request of this size can never run in this pool, or None when it can."""
@@ -154,3 +153,32 @@ class KVPlan:
         return (f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks of "
                 f"{self.block_tokens} tokens, but the pool has only {self.blocks_total}; lower "
                 "max_tokens or raise [kvpool] memory")
+
+
+class Longest:
+    """The rows' planned lengths as counts, so that the longest is known without walking every
+    row: the books ask on every admission and release, and a batch may hold hundreds of rows."""
+
+    def __init__(self) -> None:
+        self._count: dict[int, int] = {}
+        self._longest = 0
+        self.rows = 0
+
+    def add(self, length: int) -> None:
+        self._count[length] = self._count.get(length, 0) + 1
+        self._longest = max(self._longest, length)
+        self.rows += 1
+
+    def remove(self, length: int) -> None:
+        left = self._count[length] - 1
+        self.rows -= 1
+        if left:
+            self._count[length] = left
+            return
+        del self._count[length]
+        if length == self._longest:  # walks the distinct lengths, not the rows
+            self._longest = max(self._count, default=0)
+
+    @property
+    def longest(self) -> int:
+        return self._longest

@@ -25,7 +25,7 @@ from kvpool.messages import (
     Resize,
     Unpin,
 )
-from scheduler.admission.kvplan import KVPlan, prompt_keys
+from scheduler.admission.kvplan import KVPlan, Longest, prompt_keys
 from scheduler.admission.live import State
 from workers.messages import Admit, Processing, SamplingSpec
 
@@ -45,6 +45,8 @@ class Memory:
     def __init__(self, *, plan: KVPlan, prefix_cache: bool, counters: Counters, observer: Observer) -> None:
         self.plan = plan
         self.rows: dict[int, Live] = {}
+        self._finals = Longest()
+        """The rows' final lengths: what the dense cache plans for in reserve mode."""
         self._prefix_cache = prefix_cache
         self._counters = counters
         self._obs = observer
@@ -73,12 +75,18 @@ class Memory:
         base, committed = self._room_base
         return base - (self._held + self._padding - committed)
 
+    def _shape(self) -> tuple[int, int]:
+        """(rows, the longest length the dense cache plans for)."""
+        if self.plan.mode == "reserve":
+            return self._finals.rows, self._finals.longest
+        # On demand a row plans for its current length, which grows with every token.
+        return len(self.rows), max((r.length for r in self.rows.values()), default=0)
+
     def _target_padding(self, held: int, extra_row: int | None = None) -> int:
-        plan = self.plan
-        rows = [plan.row(r.length, r.final) for r in self.rows.values()]
+        rows, longest = self._shape()
         if extra_row is not None:
-            rows.append(extra_row)
-        return plan.padding(rows, held)
+            rows, longest = rows + 1, max(longest, extra_row)
+        return self.plan.padding(rows, longest, held)
 
     # ---- commands --------------------------------------------------------------------------
     def need(self, live: Live) -> int:
@@ -104,6 +112,7 @@ class Memory:
         keep_free = plan.keep_free if self.rows else 0  # room for the others to grow into
         live.blocks, live.length, live.final = blocks, length, final
         self.rows[live.rid] = live
+        self._finals.add(final)
         self._held += blocks
         self._padding = padding
         self.pending.append((Reserve(live.rid, blocks, live.keys, session, padding, keep_free), live))
@@ -112,15 +121,16 @@ class Memory:
         """On demand: the next block for each row that crossed a block boundary, and the padding
         the dense cache now needs."""
         plan = self.plan
+        rows, longest = self._shape()  # the lengths have all moved already: one walk a step
         for live in touched:
             need = plan.blocks(live.length)
             if need <= live.blocks or live.state not in (State.RUNNING, State.PREFILLING):
                 continue
-            padding = self._target_padding(self._held + need - live.blocks)
+            padding = plan.padding(rows, longest, self._held + need - live.blocks)
             self.pending.append((Resize(live.rid, need, padding), (live, live.blocks)))
             self._held += need - live.blocks
             live.blocks, self._padding = need, padding
-        padding = self._target_padding(self._held)
+        padding = plan.padding(rows, longest, self._held)
         if padding != self._padding:
             self.pending.append((Resize(PADDING, padding), None))
             self._padding = padding
@@ -141,6 +151,7 @@ class Memory:
         """`live`'s row is gone from the batch: return its blocks and shrink the padding. The
         Released reply carries `live` back (its final chunk may wait for it)."""
         del self.rows[live.rid]
+        self._finals.remove(live.final)
         self._held -= live.blocks
         self._freeing.pop(live.rid, None)
         live.blocks = 0
@@ -220,6 +231,7 @@ class Memory:
         """A denied Reserve: `live` is no row after all."""
         if self.rows.get(live.rid) is live:
             del self.rows[live.rid]
+            self._finals.remove(live.final)
             self._held -= live.blocks
         live.blocks = 0
 
