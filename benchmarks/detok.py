@@ -1,5 +1,6 @@
 """Streaming detokenization per token: mlx-lm's detokenizer (Python) against the Rust
-`DecodeStream` the scheduler uses where it gives the same text (`workers/loading/streamdetok.py`).
+`DecodeStream` the scheduler uses where it gives the same text (`workers/loading/streamdetok.py`),
+plain and with tokens that are whole characters on their own looked up in a table (the scheduler's way).
 
 The event loop detokenizes every row of every step, so this is a per-row cost of the actor stack
 (docs/host-cost.md). Each tokenizer streams an English text of its own tokens and a sequence of
@@ -26,7 +27,7 @@ from typing import Any
 
 from workers.batching.mlxlm import hf_tokenizer, keep_leading_space
 from workers.loading.models import load_model
-from workers.loading.streamdetok import NUL_TOKEN, RustDetokenizer
+from workers.loading.streamdetok import NUL_TOKEN, RustDetokenizer, whole_tokens
 
 TEXT = ("The scheduler admits requests under a policy, steps a batch of sequences on its own thread "
         "and streams each token's text to its caller. Naïve café owners in 東京 say: 🚀 fast! ")
@@ -55,15 +56,16 @@ def per_token(args: argparse.Namespace) -> list[dict[str, Any]]:
         rng = random.Random(0)
         vocab, nul = rust.get_vocab_size(with_added_tokens=True), rust.token_to_id(NUL_TOKEN)
         noise = [t for t in (rng.randrange(vocab) for _ in range(args.tokens)) if t != nul]
-        theirs, ours = keep_leading_space(tokenizer.detokenizer), RustDetokenizer(rust)
+        sides = {"mlx-lm": keep_leading_space(tokenizer.detokenizer), "rust": RustDetokenizer(rust),
+                 "rust+table": RustDetokenizer(rust, whole_tokens(rust))}
         for kind, ids in (("text", english), ("random ids", noise)):
-            times: dict[str, list[float]] = {"mlx-lm": [], "rust": []}
+            times: dict[str, list[float]] = {side: [] for side in sides}
             for _ in range(args.repeat):
-                times["mlx-lm"].append(per_token_us(theirs, ids, args.per_request))
-                times["rust"].append(per_token_us(ours, ids, args.per_request))
-            mlx, rs = statistics.median(times["mlx-lm"]), statistics.median(times["rust"])
+                for side, detok in sides.items():
+                    times[side].append(per_token_us(detok, ids, args.per_request))
+            mlx, rs, table = (statistics.median(times[side]) for side in sides)
             rows.append({"model": name, "ids": kind, "mlx_lm_us": mlx, "rust_us": rs, "ratio": rs / mlx,
-                         "runs": times})
+                         "table_us": table, "table_ratio": table / mlx, "runs": times})
     return rows
 
 
@@ -124,10 +126,12 @@ def main() -> None:
         rows = per_token(args)
         print(f"\nstreaming detokenization, us per token, {args.per_request} tokens a request, medians "
               f"of {args.repeat}; load {load:.2f} -> {os.getloadavg()[0]:.2f}")
-        print("| tokenizer | ids | mlx-lm | Rust `DecodeStream` | Rust / mlx-lm |")
-        print("| --- | --- | ---: | ---: | ---: |")
+        print("| tokenizer | ids | mlx-lm | Rust `DecodeStream` | Rust / mlx-lm | with whole tokens looked up "
+              "| that / mlx-lm |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
         for r in rows:
-            print(f"| {r['model']} | {r['ids']} | {r['mlx_lm_us']:.2f} | {r['rust_us']:.2f} | {r['ratio']:.2f} |")
+            print(f"| {r['model']} | {r['ids']} | {r['mlx_lm_us']:.2f} | {r['rust_us']:.2f} | {r['ratio']:.2f} "
+                  f"| {r['table_us']:.2f} | {r['table_ratio']:.2f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "load": load, "rows": rows}, indent=1))

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 from workers.batching.mlxlm import hf_tokenizer, keep_leading_space
 from workers.factory import TokenizerCodec
 from workers.loading.models import load_model
-from workers.loading.streamdetok import NUL_TOKEN, RustDetokenizer, rust_detokenizer, streamed
+from workers.loading.streamdetok import NUL_TOKEN, RustDetokenizer, rust_detokenizer, streamed, whole_tokens
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -94,3 +94,28 @@ def test_a_tokenizer_whose_text_differs_keeps_mlx_lms(model_cache: Path) -> None
 
     why = rust_detokenizer(hf_tokenizer(tokenizer), Broken(keep_leading_space(tokenizer.detokenizer)))
     assert why.startswith("comparing it with mlx-lm's detokenizer failed: KeyError")
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "synthetic:llama-3.2-1b"])
+def test_tokens_looked_up_whole_give_the_streams_segments_step_by_step(name: str, model_cache: Path) -> None:
+    """A token that is whole characters on its own is looked up, not sent through the Rust
+    stream; every step's segment must still be the stream's own, across characters split over
+    tokens, special tokens, NUL and ids past the vocabulary, in any order."""
+    _, tokenizer = load_model(name, model_cache)
+    rust = hf_tokenizer(tokenizer).backend_tokenizer
+    whole = whole_tokens(rust)
+    vocab = rust.get_vocab_size(with_added_tokens=True)
+    assert len(whole) == vocab
+    split = rust.encode("日本語 🚀", add_special_tokens=False).ids
+    assert any(whole[t] is None for t in split)  # some of these are parts of a character
+    assert whole[rust.token_to_id(NUL_TOKEN)] == "\x00"
+    special = next(t for t in range(vocab - 1, 0, -1) if rust.id_to_token(t).startswith("<|"))
+    assert whole[special] == rust.id_to_token(special)
+    parts = [t for t in range(vocab) if whole[t] is None]
+    rng = random.Random(3)
+    pool = [*split, special, rust.token_to_id(NUL_TOKEN), vocab + 5, *parts[:200]]
+    for _ in range(40):
+        ids = [rng.choice(pool) if rng.random() < 0.4 else rng.randrange(vocab) for _ in range(60)]
+        assert streamed(RustDetokenizer(rust, whole), ids) == streamed(RustDetokenizer(rust), ids)
+    codec = TokenizerCodec(tokenizer)
+    assert codec.detokenizer()._whole is whole  # the codec's streams use the table built at load

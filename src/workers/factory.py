@@ -21,7 +21,7 @@ from workers.blas import BlasState, blas_state
 from workers.cuda import KERNELS, apply_cuda_defaults, kernels_locked, warm_engine, warm_kernels
 from workers.loading.dtypes import Dequantize, DTypeName, Precision, on_cuda, quantized_layers
 from workers.loading.models import ModelInfo, load, model_info, resolve_model
-from workers.loading.streamdetok import RustDetokenizer, rust_detokenizer
+from workers.loading.streamdetok import RustDetokenizer, rust_detokenizer, whole_tokens
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -41,6 +41,7 @@ class TokenizerCodec:
         hf = hf_tokenizer(tokenizer)
         why = rust_detokenizer(hf, keep_leading_space(tokenizer.detokenizer))
         self._rust: Any = None if why else hf.backend_tokenizer
+        self._whole = None if why else whole_tokens(self._rust)
         self.detokenizer_note = why or "rust"
 
     def encode(self, text: str) -> list[int]:
@@ -51,7 +52,7 @@ class TokenizerCodec:
 
     def detokenizer(self) -> Any:
         if self._rust is not None:
-            return RustDetokenizer(self._rust)
+            return RustDetokenizer(self._rust, self._whole)
         return keep_leading_space(self.tokenizer.detokenizer)
 
 
