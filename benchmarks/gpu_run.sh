@@ -24,6 +24,10 @@
 #               graphs on and off: decode steps, and bare loop / scheduler at $STREAMS streams
 #   quant-step  benchmarks/cuda_settings.py --quant-step: the 8B shape's whole decode step in bf16,
 #               with its layers 4-bit, then all 4-bit (embedding and lm_head too), and lm_head alone
+#   host-cost   benchmarks/host_cost.py at $HOST_CONC (256): the worker's and the loop's time per step by
+#               phase, with the worker's GIL wait; $HOST_ARGS adds options ("--switch-interval 0.0005").
+#               At 256 streams on an H100 the scheduler's tok/s swing by up to 2x between runs, in the
+#               worker's step (docs/host-cost.md): this says whether that step waits for the GIL
 #   one-stream  benchmarks/one_stream.py: one request at a time, stream_generate / bare loop /
 #               engine adapter / scheduler, TTFT and ITL, with a trace of each hop
 # Time limits: LIMIT_S (any stage), SETTINGS_S, SINGLE_S, SETTINGS8B_S. The 2026-11-23 run used
@@ -111,6 +115,9 @@ for s in "${stages[@]}"; do
       peers-high)
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency 64 128 256 --warmup 1 \
           --backends bare scheduler mlx_lm.server --out "$out/peers-high-$m.json" ;;
+      host-cost)
+        timeout "$limit" python3 -P benchmarks/host_cost.py --model "synthetic:$m" --concurrency ${HOST_CONC:-256} \
+          --prompt-tokens 128 --max-tokens 64 --repeat ${REPEAT:-3} ${HOST_ARGS:-} --out "$out/host-cost-$m.json" ;;
       stall)
         for c in ${STALL_CONC:-32 64}; do
           timeout "$limit" python3 -P benchmarks/stall.py --model "synthetic:$m" --variants ${STALL_VARIANTS:-0 auto} \
