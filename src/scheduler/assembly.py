@@ -31,6 +31,7 @@ def real_engine_factory(c: SchedulerConfig) -> EngineFactory[Loaded]:
         step_token_budget=c.worker.step_token_budget,
         prefill_chunks=c.worker.prefill_chunks,
         prefill_pack=c.worker.prefill_pack,
+        prefill_order=c.worker.prefill_order,
         fuse_prefill=c.worker.fuse_prefill,
         prefill_pad=c.worker.prefill_pad,
         block_tokens=c.kvpool.block_tokens,

@@ -99,6 +99,7 @@ def mlx_engine_factory(
     step_token_budget: int | str = "auto",
     prefill_chunks: str = "auto",
     prefill_pack: bool = True,
+    prefill_order: str = "arrival",
     fuse_prefill: bool | str = "auto",
     prefill_pad: int | str = "auto",
     block_tokens: int = 256,
@@ -140,6 +141,7 @@ def mlx_engine_factory(
             step_token_budget=step_token_budget,
             queue_chunks=prefill_chunks != "blocking",  # "auto": queued on every backend
             pack_prompts=prefill_pack,
+            shortest_first=prefill_order == "length",
             fuse_prefill=fuse_prefill,
             prefill_pad=prefill_pad,
             block_tokens=block_tokens,

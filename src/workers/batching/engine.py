@@ -31,6 +31,7 @@ from workers.batching.mlxlm import (
     prompt_tokens_done,
     queue_sizes,
 )
+from workers.batching.order import ShortestFirst
 from workers.batching.prefill import PipelinedPrefill, install
 from workers.batching.samplers import Samplers
 from workers.loading.dtypes import on_cuda
@@ -62,6 +63,7 @@ class MLXEngine:
         pipelined_prefill: bool = True,
         queue_chunks: bool = True,
         pack_prompts: bool = True,
+        shortest_first: bool = False,
         fuse_prefill: bool | str = "auto",
         prefill_pad: int | str = "auto",
     ) -> None:
@@ -96,6 +98,7 @@ class MLXEngine:
             pack=pack_prompts,
             granule=self.prefill_pad,
         )
+        self._order = ShortestFirst() if shortest_first else None
         self._model = model
         self._batching: dict[str, Any] = dict(
             completion_batch_size=max_batch,
@@ -182,6 +185,8 @@ class MLXEngine:
             logits_processors=[p for p, _ in made] if any(p is not None for p, _ in made) else None,
             stop_sequences=[self._stop(a.stop_token_ids) for a in admits],
         )
+        if self._order is not None:
+            self._order.inserted(uids)
         for uid, admit, (rest, _, _), (_, row) in zip(uids, admits, starts, made, strict=True):
             if row is not None and self._grammar is not None:
                 self._grammar.bind(uid, row)
@@ -267,6 +272,8 @@ class MLXEngine:
                 return self._results(alone.next_alone(), 0)
         sizes = queue_sizes(gen)
         decoding = sizes.decoding
+        if self._order is not None and sizes.waiting:
+            self._order.reorder(gen)
         gen.prefill_step_size, gen.prefill_batch_size = self._budget.plan(
             decoding=decoding,
             in_prefill=sizes.prefilling,
@@ -345,6 +352,8 @@ class MLXEngine:
         self.mask_free.reset()
         mx.clear_cache()
         self._gen = BatchGenerator(self._model, **self._batching)
+        if self._order is not None:
+            self._order = ShortestFirst()  # the new generator's uids start again
         self._install()
 
     def _install(self) -> None:

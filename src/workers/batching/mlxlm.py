@@ -15,6 +15,7 @@ private parts of the attention path that the mask-free decode patches are checke
 from __future__ import annotations
 
 import inspect
+from collections import deque
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -24,10 +25,10 @@ if TYPE_CHECKING:
 PRIVATE_FIELDS: dict[str, str] = {
     "BatchGenerator._generation_batch": "the decoding rows: queue sizes, prefix blocks, mask-free decode",
     "BatchGenerator._prompt_batch": "the rows being prefilled: the budget's plan; our prefill path",
-    "BatchGenerator._unprocessed_sequences": "the rows waiting to prefill: the prefill budget's plan",
+    "BatchGenerator._unprocessed_sequences": "the rows waiting to prefill: the budget's plan; their order",
     "BatchGenerator._counters.prompt_tokens": "prompt tokens prefilled so far: each step's prefill count",
     "BatchGenerator._currently_processing": "prefilling rows' segments left: a lone prompt joins at once",
-    "BatchGenerator._unprocessed_sequences[i][1]": "a waiting row's prompt segments: packing short prompts",
+    "BatchGenerator._unprocessed_sequences[i][1]": "a waiting row's prompt segments: packing; shortest first",
     "BatchGenerator._stream": "the stream its steps run on: a lone row's step, taken without it",
     "GenerationBatch.uids": "which row is which request",
     "GenerationBatch.prompt_cache": "the rows' caches: a finished prompt's KV blocks",
@@ -82,6 +83,16 @@ def next_chunks(gen: Any) -> Iterator[int]:
         yield len(seq[0][0]) if seq[0] else 0
     for waiting in gen._unprocessed_sequences:
         yield len(waiting[1][0])
+
+
+def waiting_rows(gen: Any) -> list[Any]:
+    """The rows waiting to prefill, in the order they start: (uid, prompt segments, ...)."""
+    return list(gen._unprocessed_sequences)
+
+
+def set_waiting(gen: Any, rows: list[Any]) -> None:
+    """Put the waiting rows in a new order (the same rows)."""
+    gen._unprocessed_sequences = deque(rows)
 
 
 def lone_row(gen: Any) -> Any:
