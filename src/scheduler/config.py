@@ -101,13 +101,13 @@ class WorkerSection(_Section):
     """Prompts prefilled together, each up to `prefill_step` tokens a pass."""
     prefill_step: PositiveInt = 512
     prefill_pack: bool = True
+    """Shorter prompts share a pass: as many as fit in `prefill_batch` x `prefill_step` tokens
+    (padding included), at most `max_batch`, when prefill runs at full speed (nothing decoding,
+    or `step_token_budget = 0`). False: `prefill_batch` prompts a pass, as mlx-lm does."""
     prefill_order: Literal["arrival", "length"] = "arrival"
     """The order in which waiting prompts start prefilling: as admitted, or the shortest first,
     so that prompts of like length share a pass and it pads less; one that has waited 4 steps
     then goes ahead of every later arrival (no prompt waits forever behind shorter ones)."""
-    """Shorter prompts share a pass: as many as fit in `prefill_batch` x `prefill_step` tokens
-    (padding included), at most `max_batch`, when prefill runs at full speed (nothing decoding,
-    or `step_token_budget = 0`). False: `prefill_batch` prompts a pass, as mlx-lm does."""
     step_token_budget: Annotated[int, msgspec.Meta(ge=0)] | Literal["auto"] = "auto"
     """Prompt tokens prefilled per engine step while others decode: bounds their inter-token
     latency (stall-free batching). "auto": on CPU, what keeps a full batch fed, spread over steps,

@@ -21,6 +21,8 @@ pass starts every step, so a burst of prompts is regrouped by length within a fe
 
 
 class ShortestFirst:
+    """One generator's waiting rows, reordered before each step that has any."""
+
     def __init__(self, patience: int = PATIENCE) -> None:
         self._patience = patience
         self._since: dict[int, int] = {}
