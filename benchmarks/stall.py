@@ -12,7 +12,8 @@ in rotating order, with prompt lengths drawn from `--prompt-min`..`--prompt-max`
 medians with each one's ratios to budget 0. Flags after a colon change one thing each:
 `:keepcache` makes MLX's `clear_cache` a no-op (mlx-lm clears the allocator cache after every
 prefill chunk), `:queued` / `:blocking` set `[worker] prefill_chunks`, and `:mlxpad` uses mlx-lm's
-own batch-cache filter, which waits for the device to read the rows' padding, `:nogc` turns
+own batch-cache filter, which waits for the device to read the rows' padding, `:gatherfilter`
+copies the rows that stay by MLX's gather (as mlx-lm's filter) rather than by runs, `:nogc` turns
 Python's garbage collector off for the timed run (every run reports the collector's pauses);
 `:key=value` sets any `[worker]` setting (`0:prefill_batch=4:prefill_pack=false`):
 
@@ -41,9 +42,10 @@ from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from workers.batching import hostpad
 
 PEER = "mlx_lm.server"
-FLAGS = ("keepcache", "queued", "blocking", "mlxpad", "nogc")
+FLAGS = ("keepcache", "queued", "blocking", "mlxpad", "gatherfilter", "nogc")
 """Variant flags: MLX's clear_cache a no-op; prefill chunks queued or blocking; mlx-lm's own
-batch-cache filter (it reads the rows' padding from the device) instead of ours; Python's cyclic
+batch-cache filter (it reads the rows' padding from the device) instead of ours; ours copying the
+rows that stay by gather rather than by runs; Python's cyclic
 garbage collector off during the timed run."""
 
 
@@ -277,6 +279,7 @@ def compare(args: argparse.Namespace) -> None:
             chunks = next((f for f in flags if f in ("queued", "blocking")), "auto")
             mx.clear_cache = (lambda: None) if "keepcache" in flags else clear  # type: ignore[assignment]
             hostpad.ENABLED = "mlxpad" not in flags
+            hostpad.COPY_RUNS = "gatherfilter" not in flags
             try:
                 if variant == PEER:
                     result = run_peer(args)
@@ -286,6 +289,7 @@ def compare(args: argparse.Namespace) -> None:
             finally:
                 mx.clear_cache = clear  # type: ignore[assignment]
                 hostpad.ENABLED = True
+                hostpad.COPY_RUNS = True
             traces.setdefault(variant, result.pop("itl_trace"))
             runs[variant].append(result)
             loads.append(os.getloadavg()[0])

@@ -215,3 +215,38 @@ async def test_a_changed_batch_cache_is_said_once_in_the_log_and_in_stats(
     assert value(samples, "host_padding") == 0
     said = [e for e in logs if e["event"] == "host_padding_unavailable"]
     assert len(said) == 1 and "filter" in said[0]["reason"]
+
+
+@pytest.mark.parametrize("copy_runs", [True, False])
+def test_filter_by_runs_or_by_gather_leaves_what_mlx_lms_filter_leaves(
+    copy_runs: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hostpad, "COPY_RUNS", copy_runs)
+    rng = random.Random(11)
+    for trial in range(12):
+        n = rng.randint(2, 24)
+        padding = [rng.randrange(0, 6) for _ in range(n)]
+        theirs, ours = twin(padding, steps=8, seed=trial)
+        keep = sorted(rng.sample(range(n), rng.randint(1, n)))  # from one run to more than MAX_RUNS
+        theirs.filter(keep)
+        ours.filter(keep)
+        same(theirs, ours)
+        kv = mx.random.normal((len(keep), 2, 1, 4), key=mx.random.key(trial))
+        theirs.update_and_fetch(kv, kv)  # the next step writes into what the filter left
+        ours.update_and_fetch(kv, kv)
+        same(theirs, ours)
+
+
+@pytest.mark.parametrize("keep", [[0, 1, 2], [4, 5, 0, 1], [1, 3, 5, 7, 9, 11, 13, 15, 17, 19], [6], [2, 3, 7]])
+def test_kept_rows_are_the_rows_asked_for_in_their_order(keep: list[int]) -> None:
+    a = mx.arange(20 * 2 * 5 * 3).reshape(20, 2, 5, 3)
+    for shift in (0, 2):
+        got = hostpad.kept_rows(a, keep, shift)
+        assert got.tolist() == a[mx.array(keep)][..., shift:, :].tolist()
+
+
+def test_runs_are_the_consecutive_stretches_in_order() -> None:
+    assert hostpad.runs([0, 1, 2]) == [(0, 3)]
+    assert hostpad.runs([4, 5, 0, 1]) == [(4, 6), (0, 2)]
+    assert hostpad.runs([2, 3, 7]) == [(2, 4), (7, 8)]
+    assert hostpad.runs([]) == []

@@ -10,7 +10,16 @@ continuous batch a row leaves on most steps, so most steps lost MLX's pipelining
 updates it in every call that changes the padding (`prepare`, `finalize`, `extend`, `filter`);
 a new batch's padding comes from its rows' cached lengths, as `BatchKVCache.merge` computes it.
 So it never reads the padding back from the device. What the cache holds is what mlx-lm's would:
-the same rows, the same shared padding trimmed. `unavailable()` checks that once per process
+the same rows, the same shared padding trimmed.
+
+Its `filter` also copies the rows that stay differently. mlx-lm indexes the keys and values with
+the list of rows (`keys[keep]`), which MLX runs as its generic gather: on an H100 that took about
+5 ms of device time for a 64-row batch of a 0.5B model, each time rows left, where a copy at the
+device's bandwidth takes a tenth of it (`benchmarks/kernel_trace.py`). Here the rows that stay
+are copied as the few contiguous runs they form (rows that joined together tend to leave
+together), with the trimmed padding sliced off in the same copy, so the result is contiguous and
+the next step's write into it needs no further copy.
+ `unavailable()` checks that once per process
 against the installed mlx-lm, on tiny caches; if its batch cache moves the padding otherwise,
 nothing is swapped and the scheduler says so (log and `stats().host_padding`).
 """
@@ -25,6 +34,12 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 ENABLED = True
 """Benchmarks turn it off to measure mlx-lm's own reads side by side."""
+COPY_RUNS = True
+"""Benchmarks turn it off to measure the gather of mlx-lm's filter side by side."""
+MAX_RUNS = 4
+"""More runs than this are gathered: each run costs a copy of every layer's keys and values to
+launch. On an H100 eight runs (eight rows leaving, spread) cost the 0.5B shape 1.1-1.2x the gather
+(and the 1B shape 0.55x); one or two runs cost 0.25-0.75x (`benchmarks/cache_filter.py`)."""
 _problem: str | None = None
 
 
@@ -93,11 +108,8 @@ class HostPaddedKVCache(BatchKVCache):
         kept = [padding[i] for i in keep]
         shift = min(kept, default=0)  # the padding every row shares goes
         if self.keys is not None:
-            self.keys = self.keys[keep]
-            self.values = self.values[keep]
-            if shift > 0:
-                self.keys = self.keys[..., shift:, :]
-                self.values = self.values[..., shift:, :]
+            self.keys = kept_rows(self.keys, keep, shift)
+            self.values = kept_rows(self.values, keep, shift)
         self.offset = self.offset[keep]
         self._idx -= shift
         self._set_padding([p - shift for p in kept])
@@ -111,6 +123,28 @@ class HostPaddedKVCache(BatchKVCache):
         cache.values = mx.contiguous(values[idx : idx + 1, :, start : self._idx])
         cache.offset = cache.keys.shape[2]
         return cache
+
+
+def runs(rows: list[int]) -> list[tuple[int, int]]:
+    """`rows` as (start, stop) ranges of consecutive indices, in order."""
+    out: list[tuple[int, int]] = []
+    for r in rows:
+        if out and out[-1][1] == r:
+            out[-1] = (out[-1][0], r + 1)
+        else:
+            out.append((r, r + 1))
+    return out
+
+
+def kept_rows(a: mx.array, keep: list[int], shift: int) -> mx.array:
+    """`a[keep][..., shift:, :]`: by contiguous runs of rows where there are few (one copy, or a
+    view for a single run), else by mlx-lm's gather."""
+    spans = runs(keep) if COPY_RUNS else []
+    if not spans or len(spans) > MAX_RUNS:
+        kept = a[keep]
+        return kept[..., shift:, :] if shift > 0 else kept
+    parts = [a[start:stop, :, shift:, :] for start, stop in spans]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
 
 def host_padded(caches: list[Any], padding: list[int] | None = None) -> list[Any]:
