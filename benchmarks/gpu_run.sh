@@ -72,6 +72,12 @@
 #   prefill-parts benchmarks/prefill_parts.py: one batched prefill pass of 8 prompts of 64-512 tokens,
 #               part by part, synchronized (plain pass, batch cache, right padding, finalize, join),
 #               with cuDNN's attention off (the default) and on (CUDNN="0 1")
+#   kernel-trace benchmarks/kernel_trace.py: the closed loop of the stall stage (64 streams) under PyTorch's
+#               CUDA profiler, each kernel charged to the step that launched it: device busy ms and kernels a
+#               step, decode-only steps against prefilling ones, for $TRACE_VARIANTS ("0 512"); needs the
+#               image's torch beside MLX's CUDA build
+#   cache-filter benchmarks/cache_filter.py: rows leaving a batch cache of 64 and 256 rows, copied by MLX's
+#               gather (mlx-lm's filter) against by contiguous runs (ours)
 #   shape-cost  benchmarks/shape_cost.py: ops of a prefilling step (a projection, attention, rope) on
 #               shapes MLX has seen against new ones (model-independent: runs once per model listed)
 #   served      benchmarks/peers.py at 1 8 64: our server over HTTP beside the in-process
@@ -138,6 +144,12 @@ for s in "${stages[@]}"; do
           MLX_CUDA_USE_CUDNN_SDPA=$c timeout "$limit" python3 -P benchmarks/prefill_parts.py --model "$(spec "$m")" \
             --prompts 8 --rows 64 --held 256 --repeat ${REPEAT:-5} --out "$out/prefill-parts-$m-cudnn$c.json"
         done ;;
+      kernel-trace)
+        timeout "$limit" python3 -P benchmarks/kernel_trace.py --model "$(spec "$m")" --variants ${TRACE_VARIANTS:-0 512} \
+          --concurrency ${TRACE_CONC:-64} ${TRACE_ARGS:-} --out "$out/kernel-trace-$m.json" ;;
+      cache-filter)
+        timeout "$limit" python3 -P benchmarks/cache_filter.py --model "$(spec "$m")" --rows ${FILTER_ROWS:-64 256} \
+          --repeat ${REPEAT:-5} --out "$out/cache-filter-$m.json" ;;
       shape-cost)
         timeout "$limit" python3 -P benchmarks/shape_cost.py --calls 30 --repeat ${REPEAT:-3} \
           --out "$out/shape-cost.json" ;;

@@ -6,7 +6,9 @@ the per-step mean (ms per decode step):
 
 worker thread (both sides)
 - forward graph: building the model's graph (`model(...)`): Python, under the GIL;
-- async_eval: handing the step to MLX (on CUDA: encoding and launching its kernels);
+- async_eval: handing the step to MLX (on CUDA: encoding and launching its kernels); its "off
+  CPU" part is the wall time the thread was not running in it (waiting for the GIL on the way
+  back, or for the device);
 - device wait: `mx.eval`, waiting for the previous step's results;
 - sampling + rows: the rest of `BatchGenerator.next` (sampler graph, `tolist`, responses);
 - engine: ours around `BatchGenerator.next` (budget, request ids, step result);
@@ -47,9 +49,10 @@ from typing import Any
 import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_api import api_calls  # noqa: E402
 from overhead import bare_loop, engine_loop, make_prompts, scheduler_run  # noqa: E402
 
-WORKER = ["forward graph", "async_eval", "device wait", "sampling + rows", "engine", "post + commands",
+WORKER = ["forward graph", "async_eval", "async_eval, off CPU", "device wait", "sampling + rows", "engine", "post + commands",
           "between steps, off CPU", "GIL wait"]
 LOOP = ["handoff", "detokenize", "stop strings", "other on_step", "admission take", "pool", "delivery",
         "other loop CPU"]
@@ -78,6 +81,9 @@ class Clocks:
         out = {
             "forward graph": w["forward"],
             "async_eval": w["async_eval"],
+            # MLX encodes and launches on this thread's CPU; what is left is waiting: for the GIL
+            # on the way back (MLX lets it go while it works) or for the device (a free that syncs).
+            "async_eval, off CPU": max(0.0, w["async_eval"] - c["async_eval"]),
             "device wait": w["eval"],
             "sampling + rows": w["next"] - w["forward"] - w["async_eval"] - w["eval"],
             "engine": engine,
@@ -239,6 +245,13 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true", help="our clients stream with generate()")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the whole run (CPython's default: 0.005 s)")
+    ap.add_argument("--cache-share", type=float, default=None,
+                    help="the scheduler's bound on MLX's buffer cache, as a share of the model's memory "
+                         "budget (workers.factory.BUFFER_CACHE_SHARE, 0.25); the bound is process-wide, "
+                         "so every side after the first scheduler run has it")
+    ap.add_argument("--cuda-api", action="store_true",
+                    help="count each side's CUDA runtime calls a step (launches, allocations, frees, "
+                         "waits) with PyTorch's profiler (cuda_api.py); needs PyTorch beside MLX")
     ap.add_argument("--out", default="benchmarks/results/host_cost.json")
     args = ap.parse_args()
     if args.switch_interval is not None:
@@ -251,6 +264,10 @@ def main() -> None:
     from workers.loading.models import load_model, model_info
 
     configure_logging(level="warning")
+    if args.cache_share is not None:
+        import workers.factory
+
+        workers.factory.BUFFER_CACHE_SHARE = args.cache_share
     model, tokenizer = load_model(args.model)
     info = model_info(model, tokenizer, args.model)
     install(model)
@@ -269,10 +286,19 @@ def main() -> None:
         bare: list[tuple[float, Clocks]] = []
         alone: list[tuple[float, Clocks]] = []
         ours: list[tuple[float, Clocks]] = []
+        api: dict[str, list[dict[str, tuple[float, float]]]] = defaultdict(list)
+        sides = (("bare", bare, functools.partial(bare_counted, model, prompts, n, args.max_tokens, w)),
+                 ("engine", alone, functools.partial(engine_counted, model, prompts, n, args.max_tokens, w,
+                                                     info.vocab_size)),
+                 ("sched", ours, functools.partial(ours_counted, config, prompts, n, args.max_tokens, args.stream)))
         for _ in range(args.repeat):
-            bare.append(bare_counted(model, prompts, n, args.max_tokens, w))
-            alone.append(engine_counted(model, prompts, n, args.max_tokens, w, info.vocab_size))
-            ours.append(ours_counted(config, prompts, n, args.max_tokens, args.stream))
+            for side, runs, run in sides:
+                if args.cuda_api:
+                    with api_calls() as calls:
+                        runs.append(run())
+                    api[side].append(calls.per(runs[-1][1].steps))
+                else:
+                    runs.append(run())
         row = {
             "concurrency": n,
             "bare_tok_s": statistics.median(t for t, _ in bare),
@@ -285,6 +311,11 @@ def main() -> None:
             "bare_steps": statistics.median(c.steps for _, c in bare),
             "engine_steps": statistics.median(c.steps for _, c in alone),
         }
+        row["cache_limit_bytes"] = mx.set_cache_limit(0)
+        mx.set_cache_limit(row["cache_limit_bytes"])
+        if api:
+            row["cuda_api"] = {side: {k: [statistics.median(r.get(k, (0.0, 0.0))[i] for r in rs) for i in (0, 1)]
+                                      for k in {k for r in rs for k in r}} for side, rs in api.items()}
         row["ratio"] = row["sched_tok_s"] / row["bare_tok_s"]
         row["engine_ratio"] = row["engine_tok_s"] / row["bare_tok_s"]
         rows.append(row)
@@ -298,6 +329,12 @@ def main() -> None:
             print(f"  {k:<20} {b:>8.3f} {e:>8.3f} {o:>10.3f} {o - b:>+13.3f}")
         for k in LOOP:
             print(f"  loop: {k:<14} {'':>8} {'':>8} {row['sched'][k]:>10.3f}")
+        print(f"  MLX buffer cache limit: {row['cache_limit_bytes'] / 2**30:.2f} GiB")
+        if api:
+            print(f"  CUDA calls a step (calls, ms)  {'bare':>16} {'engine':>16} {'scheduler':>16}")
+            for k in sorted({k for side in row["cuda_api"].values() for k in side}):
+                cells = [row["cuda_api"].get(side, {}).get(k, [0.0, 0.0]) for side in ("bare", "engine", "sched")]
+                print(f"  {k:<30} " + " ".join(f"{c:>8.1f} {ms:>7.2f}" for c, ms in cells))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {

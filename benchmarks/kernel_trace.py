@@ -1,0 +1,220 @@
+"""What the device runs in a step, kernel by kernel: our engine's closed loop under a CUDA trace.
+
+On a GPU a step that carries a bounded prefill chunk lasts about three decode steps, where the
+chunk's arithmetic is a fraction of one (docs/stalls.md). This says where that time is: the
+engine runs the closed loop of `prefill_phases.py` (`--concurrency` rows, prompts of
+`--prompt-min`..`--prompt-max` tokens, `--max-tokens` greedy tokens each) for each variant (a
+budget: `0`, `512`; `:nofuse` for a chunk in a pass of its own), and after `--warmup` steps
+traces `--steps` steps with PyTorch's profiler (CUPTI), which records every kernel, copy and
+set launched in the process, MLX's among them. Each kernel is charged to the step that launched
+it (CUPTI's correlation of a launch to its kernel), so a step's device time is the work it
+queued, wherever it ran. Per variant, split into steps that decode only and steps that carry
+prefill work:
+
+- wall ms a step, the device's busy ms a step (kernels + copies + sets) and kernels a step;
+- the device's busy share of the traced wall time (near 1: the device is the limit; low: the
+  host, launching);
+- the kernels that take the most device time a step, by name.
+
+Needs CUDA and PyTorch in the same environment as MLX's CUDA build (the device machines' image
+has it); writes the table and JSON (`--out`), and with `--trace DIR` each variant's Chrome trace.
+
+    python benchmarks/kernel_trace.py --model synthetic:qwen2.5-0.5b --variants 0 512 --concurrency 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+# First: OpenBLAS (workers/blas.py) binds only if it is loaded before MLX.
+import workers  # noqa: F401
+
+# isort: split
+import mlx.core as mx
+
+from workers.batching.engine import MLXEngine
+from workers.cuda import apply_cuda_defaults
+from workers.loading.models import load_model
+from workers.messages import Admit, SamplingSpec
+
+DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_KINDS = ("cuda_runtime", "cuda_driver")
+
+
+def traced_loop(model: Any, args: argparse.Namespace, variant: str, trace_dir: Path | None) -> dict[str, Any]:
+    import torch  # the device image's; imported late so --help works without it
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    budget_text, _, flag = variant.partition(":")
+    budget: int | str = budget_text if budget_text == "auto" else int(budget_text)
+    engine = MLXEngine(model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,
+                       prefill_step=args.prefill_step, step_token_budget=budget, fuse_prefill=flag != "nofuse")
+    rng = random.Random(args.seed)
+    next_rid = 0
+
+    def admit() -> Admit:
+        nonlocal next_rid
+        next_rid += 1
+        n = rng.randint(args.prompt_min, args.prompt_max)
+        return Admit(next_rid, [rng.randrange(3, args.vocab) for _ in range(n)], args.max_tokens, SamplingSpec(), ())
+
+    engine.insert([admit() for _ in range(args.concurrency)])
+    for _ in range(args.warmup):
+        result = engine.step()
+        if result.finished:
+            engine.insert([admit() for _ in result.finished])
+    mx.synchronize()
+    steps: list[dict[str, Any]] = []
+    torch.cuda.init()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for i in range(args.steps):
+            with record_function(f"engine_step_{i}"):
+                t0 = time.perf_counter()
+                result = engine.step()
+                steps.append({"wall_ms": (time.perf_counter() - t0) * 1e3, "tokens": len(result.tokens),
+                              "prefill_tokens": result.prefill_tokens})
+            if result.finished:
+                engine.insert([admit() for _ in result.finished])
+        mx.synchronize()
+        wall = time.perf_counter() - start
+    engine.close()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+        if trace_dir is not None:
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            name = variant.replace(":", "_")
+            with gzip.open(trace_dir / f"trace-{name}.json.gz", "wt") as f:
+                json.dump(events, f)
+    return charge(events, steps, wall, args.top)
+
+
+def charge(events: list[dict[str, Any]], steps: list[dict[str, Any]], wall: float, top: int) -> dict[str, Any]:
+    """Charges each device event to the step whose host range holds its launch."""
+    windows = sorted((e["ts"], e["ts"] + e["dur"], int(e["name"].rsplit("_", 1)[1]))
+                     for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith("engine_step_"))
+    launch_step: dict[int, int] = {}
+    for e in events:
+        if e.get("cat") in LAUNCH_KINDS and "correlation" in e.get("args", {}):
+            step = _window(windows, e["ts"])
+            if step is not None:
+                launch_step[e["args"]["correlation"]] = step
+    device = [e for e in events if e.get("cat") in DEVICE_KINDS and "dur" in e]
+    per_step_busy: dict[int, float] = defaultdict(float)
+    per_step_kernels: dict[int, int] = defaultdict(int)
+    per_step_names: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    uncharged = 0
+    for e in device:
+        step = launch_step.get(e.get("args", {}).get("correlation", -1))
+        if step is None:
+            step = _window(windows, e["ts"])  # no launch record: charge it where it ran
+            uncharged += 1
+        if step is None:
+            continue
+        per_step_busy[step] += e["dur"] / 1e3
+        per_step_kernels[step] += 1
+        per_step_names[step][_short(e)] += e["dur"] / 1e3
+    busy_total = sum(e["dur"] for e in device) / 1e6
+    out: dict[str, Any] = {"wall_s": wall, "steps": len(steps), "device_busy_share": busy_total / wall,
+                           "device_events": len(device), "charged_by_time": uncharged, "classes": {}}
+    for cls, pick in (("decode only", lambda s: s["prefill_tokens"] == 0), ("prefilling", lambda s: s["prefill_tokens"] > 0)):
+        idx = [i for i, s in enumerate(steps) if pick(s)]
+        if not idx:
+            continue
+        names: dict[str, float] = defaultdict(float)
+        counts: dict[str, float] = defaultdict(float)
+        for i in idx:
+            for n, ms in per_step_names[i].items():
+                names[n] += ms / len(idx)
+        for i in idx:
+            for n in per_step_names[i]:
+                counts[n] += 1 / len(idx)
+        out["classes"][cls] = {
+            "steps": len(idx),
+            "wall_ms": statistics.median(steps[i]["wall_ms"] for i in idx),
+            "busy_ms": statistics.median(per_step_busy[i] for i in idx),
+            "kernels": statistics.median(per_step_kernels[i] for i in idx),
+            "prefill_tokens": statistics.mean(steps[i]["prefill_tokens"] for i in idx),
+            "top": sorted(([n, ms] for n, ms in names.items()), key=lambda x: -x[1])[:top],
+        }
+    return out
+
+
+def _window(windows: list[tuple[float, float, int]], ts: float) -> int | None:
+    lo, hi = 0, len(windows)
+    while lo < hi:  # the last window starting at or before ts
+        mid = (lo + hi) // 2
+        if windows[mid][0] <= ts:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo and windows[lo - 1][0] <= ts <= windows[lo - 1][1]:
+        return windows[lo - 1][2]
+    return None
+
+
+def _short(e: dict[str, Any]) -> str:
+    name = e.get("name", "?")
+    if e.get("cat") != "kernel":
+        return f"[{e.get('cat')}] {name}"[:70]
+    return name.split("(")[0].replace("void ", "")[:70]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="synthetic:qwen2.5-0.5b")
+    ap.add_argument("--variants", nargs="+", default=["0", "512"])
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--prompt-min", type=int, default=64)
+    ap.add_argument("--prompt-max", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--prefill-batch", type=int, default=8)
+    ap.add_argument("--prefill-step", type=int, default=512)
+    ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", help="a folder for each variant's Chrome trace (gzipped)")
+    ap.add_argument("--out", default="benchmarks/results/kernel_trace.json")
+    args = ap.parse_args()
+    if not mx.is_available(mx.gpu) or mx.default_device().type != mx.DeviceType.gpu:
+        raise SystemExit("kernel_trace.py traces CUDA kernels: it needs MLX's CUDA build on a GPU")
+    apply_cuda_defaults()
+    model, _ = load_model(args.model)
+    args.vocab = min(2000, int(model.args.vocab_size))
+    results = {}
+    for variant in args.variants:
+        results[variant] = traced_loop(model, args, variant, Path(args.trace) if args.trace else None)
+    print(f"\n{args.model} on {mx.device_info().get('device_name')}, {args.concurrency} rows, prompts "
+          f"{args.prompt_min}-{args.prompt_max}, {args.max_tokens} tokens, {args.steps} traced steps after "
+          f"{args.warmup}; load {os.getloadavg()[0]:.2f}")
+    for variant, r in results.items():
+        print(f"\n== {variant}: device busy {r['device_busy_share']:.2f} of {r['wall_s'] * 1e3:.0f} ms traced, "
+              f"{r['device_events']} device events ({r['charged_by_time']} charged by time)")
+        for cls, c in r["classes"].items():
+            print(f"  {cls}: {c['steps']} steps, wall {c['wall_ms']:.2f} ms, device busy {c['busy_ms']:.2f} ms, "
+                  f"{c['kernels']:.0f} kernels, {c['prefill_tokens']:.0f} prompt tokens a step (medians)")
+            for name, ms in c["top"]:
+                print(f"      {ms:7.3f} ms  {name}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "results": results, "load": os.getloadavg()[0],
+                               "device": mx.device_info().get("device_name"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+                              indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
