@@ -13,7 +13,8 @@ medians with each one's ratios to budget 0. Flags after a colon change one thing
 `:keepcache` makes MLX's `clear_cache` a no-op (mlx-lm clears the allocator cache after every
 prefill chunk), `:queued` / `:blocking` set `[worker] prefill_chunks`, and `:mlxpad` uses mlx-lm's
 own batch-cache filter, which waits for the device to read the rows' padding, `:gatherfilter`
-copies the rows that stay by MLX's gather (as mlx-lm's filter) rather than by runs, `:nogc` turns
+copies the rows that stay by MLX's gather (as mlx-lm's filter) rather than by runs, `:rollpad`
+right-pads every prefill pass and rolls its caches (as mlx-lm does), even a first one, `:nogc` turns
 Python's garbage collector off for the timed run (every run reports the collector's pauses);
 `:key=value` sets any `[worker]` setting (`0:prefill_batch=4:prefill_pack=false`):
 
@@ -40,12 +41,13 @@ import anyio
 from metrics import configure_logging, summarize
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from workers.batching import hostpad
+from workers.batching.prefill import PipelinedPrefill
 
 PEER = "mlx_lm.server"
-FLAGS = ("keepcache", "queued", "blocking", "mlxpad", "gatherfilter", "nogc")
+FLAGS = ("keepcache", "queued", "blocking", "mlxpad", "gatherfilter", "rollpad", "nogc")
 """Variant flags: MLX's clear_cache a no-op; prefill chunks queued or blocking; mlx-lm's own
 batch-cache filter (it reads the rows' padding from the device) instead of ours; ours copying the
-rows that stay by gather rather than by runs; Python's cyclic
+rows that stay by gather rather than by runs; every pass right-padded and rolled; Python's cyclic
 garbage collector off during the timed run."""
 
 
@@ -267,6 +269,10 @@ def compare(args: argparse.Namespace) -> None:
     traces: dict[str, object] = {}
     loads: list[float] = []
     clear = mx.clear_cache
+    fresh = PipelinedPrefill._fresh
+
+    def rollpad(self: PipelinedPrefill) -> bool:
+        return False
     for rep in range(args.repeat):
         order = args.variants[rep % len(args.variants):] + args.variants[:rep % len(args.variants)]
         for variant in order:
@@ -280,6 +286,7 @@ def compare(args: argparse.Namespace) -> None:
             mx.clear_cache = (lambda: None) if "keepcache" in flags else clear  # type: ignore[assignment]
             hostpad.ENABLED = "mlxpad" not in flags
             hostpad.COPY_RUNS = "gatherfilter" not in flags
+            PipelinedPrefill._fresh = rollpad if "rollpad" in flags else fresh  # type: ignore[method-assign]
             try:
                 if variant == PEER:
                     result = run_peer(args)
@@ -290,6 +297,7 @@ def compare(args: argparse.Namespace) -> None:
                 mx.clear_cache = clear  # type: ignore[assignment]
                 hostpad.ENABLED = True
                 hostpad.COPY_RUNS = True
+                PipelinedPrefill._fresh = fresh  # type: ignore[method-assign]
             traces.setdefault(variant, result.pop("itl_trace"))
             runs[variant].append(result)
             loads.append(os.getloadavg()[0])

@@ -418,3 +418,28 @@ def test_a_lone_prompts_prefill_keeps_mlxs_buffer_cache_on_the_cpu(
         e.close()
         assert (cleared[0] == 0) == ours, cleared  # mlx-lm empties it after every chunk
     assert out[True] == out[False] and len(out[True]) == 4
+
+
+@pytest.mark.parametrize(("budget", "fuse", "pad"), [(0, True, 0), (0, False, 16), (24, True, 16), (24, False, 0)])
+def test_a_first_pass_padded_on_the_left_gives_the_tokens_of_right_padding_and_its_roll(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch, budget: int, fuse: bool, pad: int
+) -> None:
+    from mlx_lm.models.cache import BatchKVCache
+
+    kinds: list[str] = []
+    prepare = BatchKVCache.prepare
+
+    def counted(self: Any, **kw: Any) -> None:
+        kinds.append("left" if kw.get("left_padding") is not None else "right")
+        prepare(self, **kw)
+
+    monkeypatch.setattr(BatchKVCache, "prepare", counted)
+    admits = workload(16, seed=5)
+    left = run(engine(tiny_model, True, budget=budget, fuse=fuse, pad=pad), admits)
+    lefts = kinds.count("left")
+    kinds.clear()
+    monkeypatch.setattr(PipelinedPrefill, "_fresh", lambda self: False)  # always right padding, then the roll
+    right = run(engine(tiny_model, True, budget=budget, fuse=fuse, pad=pad), admits)
+    assert lefts > 0 and kinds.count("left") == 0 and kinds.count("right") > 0
+    assert left == right
+    assert [len(left[a.rid]) for a in admits] == [a.max_tokens for a in admits]
