@@ -185,6 +185,10 @@ class ServerSection(_Section):
     """Paths served without a key (probes and scrapers); `[]` guards every path."""
     cors_origins: list[str] = msgspec.field(default_factory=list)
     """Browser origins allowed to call the server (`"*"`: any); empty: no CORS headers."""
+    freeze_heap: bool = True
+    """After startup, keep the objects alive then (imports, the app, the model's Python objects)
+    out of the garbage collector's full collections (`gc.freeze`), which otherwise scan them all
+    while every thread waits. Only in `serve`'s and a replica's own process."""
 
     def __post_init__(self) -> None:
         if any(not k.strip() for k in self.api_keys):

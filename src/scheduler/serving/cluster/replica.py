@@ -25,6 +25,7 @@ from scheduler.api import Scheduler
 from scheduler.errors import SchedulerError
 from scheduler.request import Request  # noqa: TC001 - msgspec needs it at runtime
 from scheduler.serving.cluster.prom import label_replica
+from scheduler.serving.heap import freeze_startup_heap
 from scheduler.types import Chunk
 
 if TYPE_CHECKING:
@@ -81,6 +82,8 @@ class SchedulerReplica:
         try:
             async with Scheduler(self._config) as sched:
                 self._sched = sched
+                if self._config.server.freeze_heap:  # a replica's process is ours alone
+                    freeze_startup_heap()
                 self._ready.set()
                 await self._stop.wait()
         except BaseException as exc:  # reported by __init__ when it happens while starting

@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from scheduler.api import Scheduler
 from scheduler.errors import SchedulerError
+from scheduler.serving.heap import freeze_startup_heap
 from scheduler.serving.http import anthropic, responses_api
 from scheduler.serving.http import requests as rq
 from scheduler.serving.http import responses as rs
@@ -74,13 +75,18 @@ def create_app(
     *,
     scheduler: EngineClient | None = None,
     model_name: str | None = None,
+    freeze_heap: bool = False,
 ) -> Starlette:
     """The app. With `config` its lifespan starts and closes a `Scheduler`; with a running
     `scheduler` (any `EngineClient`: embedding, tests) it serves that one and leaves its
     lifetime to the caller. `model_name` is the id `/v1/models` reports (default: the model's
-    name). `app.state.gate` is its `shutdown.Gate`: `serve` ends the grace period through it."""
+    name). `app.state.gate` is its `shutdown.Gate`: `serve` ends the grace period through it.
+    `freeze_heap`: once its scheduler has started, freeze the process's heap (`heap.py`; `serve`
+    passes `[server] freeze_heap`, for the process is its own)."""
     if (config is None) == (scheduler is None):
         raise TypeError("create_app takes exactly one of config or scheduler")
+    if freeze_heap and config is None:
+        raise TypeError("freeze_heap needs config: the app then starts the scheduler, and freezes after it")
     owner = config if config is not None else scheduler.config  # type: ignore[union-attr]
     api = _OpenAI(scheduler, model_name, owner.server)
     routes = [
@@ -98,7 +104,7 @@ def create_app(
         Route("/health", api.endpoint(api.health, "health"), methods=["GET"]),
         Route("/metrics", api.endpoint(api.metrics, "metrics"), methods=["GET"]),
     ]
-    lifespan = api.lifespan(config) if config is not None else None
+    lifespan = api.lifespan(config, freeze_heap) if config is not None else None
     access = Access.of(owner.server)
     if access.keys:
         log.info("api_keys_required", open_paths=sorted(access.open_paths))
@@ -130,11 +136,14 @@ class _OpenAI:
         self.tokens = Tokenizing(limits.tokenize_threads)
         self._texts: TokenTexts | None = None
 
-    def lifespan(self, config: SchedulerConfig) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+    def lifespan(self, config: SchedulerConfig,
+                 freeze_heap: bool) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
         @asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
             async with Scheduler(config) as sched:
                 self._scheduler = self.gate.scheduler = sched
+                if freeze_heap:
+                    freeze_startup_heap()
                 try:
                     yield
                 finally:

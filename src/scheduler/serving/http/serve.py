@@ -37,7 +37,7 @@ def serve(args: argparse.Namespace, config: SchedulerConfig) -> None:
                  grace_s=grace)
         config = msgspec.structs.replace(
             config, scheduler=msgspec.structs.replace(config.scheduler, shutdown="abort"))
-    app = create_app(config, model_name=args.model_name)
+    app = create_app(config, model_name=args.model_name, freeze_heap=config.server.freeze_heap)
     if args.trio:
         from scheduler.serving.http.shutdown import raise_again
 
