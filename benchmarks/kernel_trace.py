@@ -28,8 +28,8 @@ import argparse
 import gzip
 import json
 import os
-import random
 import statistics
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -45,7 +45,9 @@ import mlx.core as mx
 from workers.batching.engine import MLXEngine
 from workers.cuda import apply_cuda_defaults
 from workers.loading.models import load_model
-from workers.messages import Admit, SamplingSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prefill_phases import admitter  # noqa: E402  (a script beside this one)
 
 DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_KINDS = ("cuda_runtime", "cuda_driver")
@@ -59,14 +61,7 @@ def traced_loop(model: Any, args: argparse.Namespace, variant: str, trace_dir: P
     budget: int | str = budget_text if budget_text == "auto" else int(budget_text)
     engine = MLXEngine(model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,
                        prefill_step=args.prefill_step, step_token_budget=budget, fuse_prefill=flag != "nofuse")
-    rng = random.Random(args.seed)
-    next_rid = 0
-
-    def admit() -> Admit:
-        nonlocal next_rid
-        next_rid += 1
-        n = rng.randint(args.prompt_min, args.prompt_max)
-        return Admit(next_rid, [rng.randrange(3, args.vocab) for _ in range(n)], args.max_tokens, SamplingSpec(), ())
+    admit = admitter(args)
 
     engine.insert([admit() for _ in range(args.concurrency)])
     for _ in range(args.warmup):

@@ -34,7 +34,7 @@ import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # First: OpenBLAS (workers/blas.py) binds only if it is loaded before MLX.
 import workers  # noqa: F401
@@ -48,6 +48,9 @@ from workers.batching.prefill import JoiningBatch, PipelinedPrefill
 from workers.cuda import apply_cuda_defaults
 from workers.loading.models import load_model
 from workers.messages import Admit, SamplingSpec
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 PHASES = {
     (GenerationBatch, "next"): "decode",
@@ -111,14 +114,9 @@ def install_clocks(clocks: Clocks) -> list[tuple[Any, str, Any]]:
     return saved
 
 
-def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
-    budget_text, _, flag = variant.partition(":")
-    budget: int | str = budget_text if budget_text == "auto" else int(budget_text)
-    engine = MLXEngine(
-        model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,
-        prefill_step=args.prefill_step, step_token_budget=budget, pipelined_prefill=flag != "mlx",
-        queue_chunks=flag != "blocking", fuse_prefill=flag != "nofuse",
-    )
+def admitter(args: argparse.Namespace) -> Callable[[], Admit]:
+    """The closed loop's next request: a prompt of `--prompt-min`..`--prompt-max` random tokens,
+    `--max-tokens` greedy tokens (the same sequence for a seed)."""
     rng = random.Random(args.seed)
     next_rid = 0
 
@@ -128,6 +126,19 @@ def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
         n = rng.randint(args.prompt_min, args.prompt_max)
         return Admit(next_rid, [rng.randrange(3, args.vocab) for _ in range(n)], args.max_tokens,
                      SamplingSpec(), ())
+
+    return admit
+
+
+def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
+    budget_text, _, flag = variant.partition(":")
+    budget: int | str = budget_text if budget_text == "auto" else int(budget_text)
+    engine = MLXEngine(
+        model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,
+        prefill_step=args.prefill_step, step_token_budget=budget, pipelined_prefill=flag != "mlx",
+        queue_chunks=flag != "blocking", fuse_prefill=flag != "nofuse",
+    )
+    admit = admitter(args)
 
     engine.insert([admit() for _ in range(args.concurrency)])
     clocks = Clocks(args.sync, args.eval_caches)
