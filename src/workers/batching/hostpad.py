@@ -10,18 +10,18 @@ continuous batch a row leaves on most steps, so most steps lost MLX's pipelining
 updates it in every call that changes the padding (`prepare`, `finalize`, `extend`, `filter`);
 a new batch's padding comes from its rows' cached lengths, as `BatchKVCache.merge` computes it.
 So it never reads the padding back from the device. What the cache holds is what mlx-lm's would:
-the same rows, the same shared padding trimmed.
+the same rows, the same shared padding trimmed. `unavailable()` checks that once per process
+against the installed mlx-lm, on tiny caches; if its batch cache moves the padding otherwise,
+nothing is swapped and the scheduler says so (log and `stats().host_padding`).
 
 Its `filter` also copies the rows that stay differently. mlx-lm indexes the keys and values with
 the list of rows (`keys[keep]`), which MLX runs as its generic gather: on an H100 that took about
-5 ms of device time for a 64-row batch of a 0.5B model, each time rows left, where a copy at the
-device's bandwidth takes a tenth of it (`benchmarks/kernel_trace.py`). Here the rows that stay
-are copied as the few contiguous runs they form (rows that joined together tend to leave
-together), with the trimmed padding sliced off in the same copy, so the result is contiguous and
-the next step's write into it needs no further copy.
- `unavailable()` checks that once per process
-against the installed mlx-lm, on tiny caches; if its batch cache moves the padding otherwise,
-nothing is swapped and the scheduler says so (log and `stats().host_padding`).
+5 ms of device time for a 64-row batch of a 0.5B model each time rows left
+(`benchmarks/kernel_trace.py`). Here the rows that stay are copied as the few contiguous runs
+they form (rows that joined together tend to leave together), with the trimmed padding sliced
+off in the same copy: a quarter to three quarters of the gather's time for one or two runs
+(`benchmarks/cache_filter.py`). A single run is a view of the old arrays, rows that left
+included, until the next write or join copies it.
 """
 
 from __future__ import annotations
