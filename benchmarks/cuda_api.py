@@ -18,7 +18,7 @@ import tempfile
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -38,6 +38,15 @@ class Calls:
         return {n: (self.count[n] / steps, self.us[n] / 1e3 / steps) for n in WATCHED if self.count.get(n)}
 
 
+def trace_events(prof: Any) -> list[dict[str, Any]]:
+    """The events of a finished PyTorch profile, as its Chrome trace holds them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events: list[dict[str, Any]] = json.loads(path.read_text())["traceEvents"]
+    return events
+
+
 @contextmanager
 def api_calls() -> Iterator[Calls]:
     from torch.profiler import ProfilerActivity, profile  # the device image's PyTorch
@@ -45,10 +54,7 @@ def api_calls() -> Iterator[Calls]:
     calls = Calls()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         yield calls
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        for e in json.loads(path.read_text())["traceEvents"]:
-            if e.get("cat") in ("cuda_runtime", "cuda_driver"):
-                calls.count[e["name"]] += 1
-                calls.us[e["name"]] += e.get("dur", 0.0)
+    for e in trace_events(prof):
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            calls.count[e["name"]] += 1
+            calls.us[e["name"]] += e.get("dur", 0.0)

@@ -4,9 +4,9 @@ On a GPU a step that carries a bounded prefill chunk lasts about three decode st
 chunk's arithmetic is a fraction of one (docs/stalls.md). This says where that time is: the
 engine runs the closed loop of `prefill_phases.py` (`--concurrency` rows, prompts of
 `--prompt-min`..`--prompt-max` tokens, `--max-tokens` greedy tokens each) for each variant (a
-budget: `0`, `512`; `:nofuse` for a chunk in a pass of its own), and after `--warmup` steps
-traces `--steps` steps with PyTorch's profiler (CUPTI), which records every kernel, copy and
-set launched in the process, MLX's among them. Each kernel is charged to the step that launched
+budget: `0`, `512`; with `prefill_phases.py`'s flags, e.g. `:nofuse` for a chunk in a pass of
+its own), and after `--warmup` steps traces `--steps` steps with PyTorch's profiler (CUPTI),
+which records every kernel, copy and set launched in the process, MLX's among them. Each kernel is charged to the step that launched
 it (CUPTI's correlation of a launch to its kernel), so a step's device time is the work it
 queued, wherever it ran. Per variant, split into steps that decode only and steps that carry
 prefill work:
@@ -30,7 +30,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -42,12 +41,12 @@ import workers  # noqa: F401
 # isort: split
 import mlx.core as mx
 
-from workers.batching.engine import MLXEngine
 from workers.cuda import apply_cuda_defaults
 from workers.loading.models import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefill_phases import admitter  # noqa: E402  (a script beside this one)
+from cuda_api import trace_events  # noqa: E402  (scripts beside this one)
+from prefill_phases import admitter, engine_for  # noqa: E402
 
 DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_KINDS = ("cuda_runtime", "cuda_driver")
@@ -57,10 +56,7 @@ def traced_loop(model: Any, args: argparse.Namespace, variant: str, trace_dir: P
     import torch  # the device image's; imported late so --help works without it
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    budget_text, _, flag = variant.partition(":")
-    budget: int | str = budget_text if budget_text == "auto" else int(budget_text)
-    engine = MLXEngine(model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,
-                       prefill_step=args.prefill_step, step_token_budget=budget, fuse_prefill=flag != "nofuse")
+    engine = engine_for(model, args, variant)
     admit = admitter(args)
 
     engine.insert([admit() for _ in range(args.concurrency)])
@@ -84,15 +80,12 @@ def traced_loop(model: Any, args: argparse.Namespace, variant: str, trace_dir: P
         mx.synchronize()
         wall = time.perf_counter() - start
     engine.close()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())["traceEvents"]
-        if trace_dir is not None:
-            trace_dir.mkdir(parents=True, exist_ok=True)
-            name = variant.replace(":", "_")
-            with gzip.open(trace_dir / f"trace-{name}.json.gz", "wt") as f:
-                json.dump(events, f)
+    events = trace_events(prof)
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        name = variant.replace(":", "_")
+        with gzip.open(trace_dir / f"trace-{name}.json.gz", "wt") as f:
+            json.dump(events, f)
     return charge(events, steps, wall, args.top)
 
 

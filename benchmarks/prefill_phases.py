@@ -130,14 +130,19 @@ def admitter(args: argparse.Namespace) -> Callable[[], Admit]:
     return admit
 
 
-def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
+def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
+    """Our engine for a variant: a budget, with `:mlx`, `:blocking` or `:nofuse` (the header)."""
     budget_text, _, flag = variant.partition(":")
     budget: int | str = budget_text if budget_text == "auto" else int(budget_text)
-    engine = MLXEngine(
+    return MLXEngine(
         model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,
         prefill_step=args.prefill_step, step_token_budget=budget, pipelined_prefill=flag != "mlx",
         queue_chunks=flag != "blocking", fuse_prefill=flag != "nofuse",
     )
+
+
+def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
+    engine = engine_for(model, args, variant)
     admit = admitter(args)
 
     engine.insert([admit() for _ in range(args.concurrency)])
