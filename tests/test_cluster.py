@@ -49,6 +49,7 @@ max_queue = 8
 num_cpus = 0.5
 stats_period_s = 0.2
 frontends = {frontends}
+stream_feed = {feed}
 [server]
 # Only the token endpoints are guarded, so the other tests need no key.
 api_keys = ["cluster-key"]
@@ -63,8 +64,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _config(model_cache: Path, frontends: int = 1) -> SchedulerConfig:
-    return SchedulerConfig.from_toml(TOML.format(cache=model_cache, frontends=frontends))
+def _config(model_cache: Path, frontends: int = 1, feed: bool = True) -> SchedulerConfig:
+    return SchedulerConfig.from_toml(TOML.format(cache=model_cache, frontends=frontends, feed=str(feed).lower()))
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +271,62 @@ def test_bursts_one_after_another_spread_over_both_replicas(cluster: str) -> Non
         assert len(counts) == 2 and counts[0] >= 3, where
 
 
+async def _stream_all(url: str, bodies: list[dict[str, Any]]) -> list[list[str]]:
+    async def one(c: httpx.AsyncClient, body: dict[str, Any]) -> list[str]:
+        async with c.stream("POST", "/v1/completions", json=body) as reply:
+            assert reply.status_code == 200
+            return [line async for line in reply.aiter_lines() if line]
+
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        return list(await asyncio.gather(*(one(c, b) for b in bodies)))
+
+
+def _fed(url: str) -> tuple[int, int]:
+    streams = [r["streams"] for r in health(url)["replicas"]]
+    return sum(s["feed_items"] for s in streams), sum(s["feed_requests"] for s in streams)
+
+
+def test_a_replica_feeds_its_frontend_every_requests_chunks_in_one_item_a_step(cluster: str) -> None:
+    """Each replica streams its frontend one item per step carrying the new chunks of all its
+    requests, where a stream per request sent each request's own: 16 requests at once, 48 tokens
+    each, take far fewer items than chunks, and every stream is whole."""
+    items0, carried0 = _fed(cluster)
+    bodies = [{"prompt": f"request {i} of sixteen", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+               "stream": True, "stream_options": {"include_usage": True}} for i in range(16)]
+    streams = asyncio.run(_stream_all(cluster, bodies))
+    items, carried = _fed(cluster)
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]"
+        usage = msgspec.json.decode(lines[-2][5:])["usage"]
+        assert usage["completion_tokens"] == 48, lines[-3:]
+    body = health(cluster)
+    assert body["feeds"]["open"] == 0 and body["feeds"]["sending"] == 0
+    assert sorted(body["feeds"]["feeds"]) == sorted(r["replica"] for r in body["replicas"])
+    assert all(r["streams"]["feeds"] == 1 for r in body["replicas"])  # one frontend, one feed each
+    # 16 requests' 48 tokens came in items that each carried several requests' chunks.
+    assert carried - carried0 >= 16
+    assert (carried - carried0) / (items - items0) > 2, (items - items0, carried - carried0)
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row_at_once(cluster: str) -> None:
+    before = sum(r["stats"]["generated_tokens"] for r in health(cluster)["replicas"])
+    body = {"prompt": "a long answer nobody reads", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{cluster}/v1/completions", json=body, timeout=60) as reply:
+        victim = reply.headers["x-replica"]
+        lines = reply.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        body = health(cluster)
+        left = [r for r in body["replicas"] if r["stats"]["running"] or r["streams"]["open"]]
+        if not left and body["feeds"]["open"] == 0:
+            break
+        time.sleep(0.1)
+    assert not left and body["feeds"]["open"] == 0, (victim, left, body["feeds"])
+    generated = sum(r["stats"]["generated_tokens"] for r in body["replicas"]) - before
+    assert 0 < generated < 1500  # cancelled, not run to its end
+
+
 def test_health_and_metrics_cover_every_replica(cluster: str) -> None:
     # The router's own count of requests in flight comes back to 0 (bar this health call's
     # fan-out); Serve reports completions to the router asynchronously, so on a loaded machine
@@ -378,9 +435,17 @@ def test_a_killed_replica_ends_its_requests_and_is_replaced(cluster: str) -> Non
 def test_two_frontends_share_the_work_and_what_each_routed(cluster: str, model_cache: Path) -> None:
     """`frontends = 2`: Serve's proxy spreads requests over both, and a session's turns stay on
     one replica whichever frontend takes them (each router learns the sessions the other routed
-    from the replicas' reports). The turns share no prefix, so only the session keeps them."""
-    deploy(_config(model_cache, frontends=2), 2)
+    from the replicas' reports). The turns share no prefix, so only the session keeps them.
+    This deployment streams each request on its own (`stream_feed = false`), the other path."""
+    deploy(_config(model_cache, frontends=2, feed=False), 2)
     assert len({health(cluster)["frontend"] for _ in range(24)}) == 2
+    assert health(cluster)["feeds"] is None
+    bodies = [{"prompt": f"unfed {i}", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+               "stream_options": {"include_usage": True}} for i in range(6)]
+    for lines in asyncio.run(_stream_all(cluster, bodies)):
+        assert lines[-1] == "data: [DONE]"
+        assert msgspec.json.decode(lines[-2][5:])["usage"]["completion_tokens"] == 12
+    assert all(r["streams"]["feeds"] == 0 for r in health(cluster)["replicas"])
 
     def converse(n: int) -> list[str]:
         seen = []

@@ -239,12 +239,17 @@ class ClusterSection(_Section):
     """How often Serve collects each replica's routing stats."""
     probe_deadline_s: PositiveFloat = 1.0
     """Serve's queue-length probe deadline (its default 0.1 s sent session turns elsewhere)."""
+    stream_feed: bool = True
+    """Each replica sends a frontend the chunks of all its requests in one stream, an item per
+    step (measured: fewer items through Ray in the replica's process, where they share the GIL
+    with the worker thread). False: a stream per request, each item one request's chunks."""
     stream_messages_per_s: PositiveFloat = 640.0
-    """A replica's budget of streamed messages a second, shared by its streams that are sending
-    (past their first token; a queued request sends nothing): each message crosses Ray twice (to
-    the frontend, then the proxy), and their cost per message, not per token, limits the Ray
-    path. Below the budget every step's tokens go as they come; above it a stream's tokens wait
-    to go together, up to `stream_interval_s`."""
+    """A budget of streamed messages a second, shared by the streams that are sending (past their
+    first token; a queued request sends nothing): each message costs per message, not per token.
+    With `stream_feed`, each frontend's events to Serve's proxy (times the replicas per
+    frontend), and each replica's feed items; without it, a replica's items, which cross Ray
+    twice (to the frontend, then the proxy). Below the budget every step's tokens go as they
+    come; above it a stream's tokens wait to go together, up to `stream_interval_s`."""
     stream_interval_s: NonNegativeFloat = 0.25
     """The longest a stream's tokens wait for one another (the first text and the end go at once).
     0: every step's tokens as they come, whatever the load."""

@@ -76,12 +76,14 @@ def build(config: SchedulerConfig, replicas: int, model_name: str | None = None,
         ray_actor_options=actor_options(c, device), request_router_config=router,
         health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
     ).bind(config)
+    count = c.frontend_count(replicas)
     frontend = serve.deployment(Frontend).options(
-        name=FRONTENDS, num_replicas=c.frontend_count(replicas),
+        name=FRONTENDS, num_replicas=count,
         max_ongoing_requests=c.max_ongoing_requests * replicas, ray_actor_options={"num_cpus": 0},
         request_router_config=frontends,
     )
-    return frontend.bind(backend, config, model_name)
+    # A frontend streams for its share of the replicas: their budget of messages comes with them.
+    return frontend.bind(backend, config, model_name, c.stream_messages_per_s * max(1.0, replicas / count))
 
 
 def deploy(config: SchedulerConfig, replicas: int, model_name: str | None = None,

@@ -8,18 +8,19 @@ import asyncio
 import functools
 import time
 import uuid
-from collections import deque
 from typing import TYPE_CHECKING, Any, cast
 
 import anyio
+import msgspec
 import structlog
 
 from scheduler import errors
 from scheduler.admission.kvplan import prompt_keys
 from scheduler.request import chat_template_ids
 from scheduler.serving.cluster import grpc_by_default
-from scheduler.serving.cluster.replica import Job, replica_id, unpack_chunks
+from scheduler.serving.cluster.replica import Job, replica_id
 from scheduler.serving.cluster.reports import ReplicaReports
+from scheduler.serving.cluster.streams import REPLICA_FAILED, Feeds, FeedStream, RemoteStream
 from scheduler.serving.http import anthropic, responses_api
 from scheduler.serving.http import requests as rq
 from scheduler.serving.http import responses as rs
@@ -34,7 +35,6 @@ from scheduler.serving.http.logprobs import TokenTexts
 from scheduler.serving.http.prompts import Tokenizing
 from scheduler.serving.http.sse import OPENAI, Dialect, EventStream
 from scheduler.streaming.gather import Gather
-from scheduler.types import Chunk
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -46,11 +46,11 @@ if TYPE_CHECKING:
     from scheduler.config import SchedulerConfig
     from scheduler.request import Request as GenRequest
     from scheduler.streaming.stream import RequestStream
+    from scheduler.types import Chunk
 
 log = structlog.get_logger("scheduler.cluster")
 REPLICA_HEADER = "x-replica"
 OPENING_TRIES = 3
-REPLICA_FAILED = -1  # the request id of the error chunk that stands for a dead replica
 
 
 def replica_failed(replica: str, why: str = "its process died") -> ApiError:
@@ -62,62 +62,6 @@ def replica_failed(replica: str, why: str = "its process died") -> ApiError:
 def starting() -> ApiError:
     return ApiError(503, "the server is starting: its replicas are loading the model; retry shortly",
                     type="service_unavailable", code="starting", headers={"retry-after": "1"})
-
-
-class RemoteStream:
-    """A replica's `generate` stream as the `RequestStream` that `EventStream` reads. A replica
-    that dies mid-stream ends it with an "error" chunk naming the replica: no hang."""
-
-    def __init__(self, gen: DeploymentResponseGenerator, replica: str, choices: int = 1) -> None:
-        self._gen = gen
-        self.replica = replica
-        self._ended = False
-        self._finals_left = choices
-        self._here: deque[Chunk] = deque()
-
-    async def __aenter__(self) -> RemoteStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self._gen.cancel()
-
-    def __aiter__(self) -> RemoteStream:
-        return self
-
-    def ready(self) -> list[Chunk]:
-        """The rest of the chunks that came in the replica's last item, without waiting: they go
-        out with the first as one event (`EventStream` coalesces them)."""
-        out = list(self._here)
-        self._here.clear()
-        return out
-
-    async def __anext__(self) -> Chunk:
-        if self._here:
-            return self._here.popleft()
-        if self._ended:
-            raise StopAsyncIteration
-        try:
-            item = await self._gen.__anext__()
-        except StopAsyncIteration:
-            self._ended = True
-            raise
-        except Exception as exc:  # the replica's process died or its actor failed
-            self._ended = True
-            log.error("replica_failed", replica=self.replica, error=repr(exc))
-            return Chunk(REPLICA_FAILED, "", [], "error", error=f"replica {self.replica} failed: {exc!r}")
-        if item[0] == "error":
-            self._ended = True
-            raise errors.by_name(item[1], item[2])
-        chunks = unpack_chunks(item[1])
-        self._finals_left -= sum(c.finish_reason is not None for c in chunks)
-        self._ended = self._finals_left <= 0
-        self._here.extend(chunks[1:])
-        return chunks[0]
 
 
 class ClusterEventStream(EventStream):
@@ -134,7 +78,10 @@ class Frontend:
     Serve's proxy hands this one. The methods besides take `target`, this frontend's id, by which
     `cluster.app` reaches every frontend through our router."""
 
-    def __init__(self, backend: DeploymentHandle, config: SchedulerConfig, model_name: str | None) -> None:
+    def __init__(self, backend: DeploymentHandle, config: SchedulerConfig, model_name: str | None,
+                 messages_per_s: float | None = None) -> None:
+        """`messages_per_s`: this frontend's budget of streamed events a second to Serve's proxy
+        (default `[cluster] stream_messages_per_s`)."""
         self._backend = backend
         self._id = replica_id()
         self._reports = ReplicaReports(backend, self._id)
@@ -142,6 +89,9 @@ class Frontend:
         # replicas' streams go by value over gRPC where this process's Serve runs gRPC
         # (`cluster.app.start_ray` turns it on), as its own default handles would.
         self._streams = backend.options(stream=True, _by_reference=not grpc_by_default())
+        c = config.cluster
+        self._feeds = Feeds(self._streams, self._id, messages_per_s or c.stream_messages_per_s,
+                            c.stream_interval_s) if c.stream_feed else None
         self._closing = False
         self._inflight = 0
         self._created = int(time.time())
@@ -297,20 +247,20 @@ class Frontend:
 
     async def _run(self, rid: str, job: Job, streaming: bool, render: Callable[[Chunk], list[bytes]],
                    whole: Callable[[rs.Head, Gather], Any], dialect: Dialect = OPENAI) -> Response:
-        for attempt in range(OPENING_TRIES):
-            # A replica that died before its first word produced nothing: try the survivors.
-            gen = self._streams.generate.remote(job)
-            try:
-                opening = await gen.__anext__()
-                break
-            except Exception as exc:
-                gen.cancel()
-                log.warning("replica_failed", request_id=rid, attempt=attempt, error=repr(exc))
-                if attempt == OPENING_TRIES - 1:
-                    raise replica_failed("unknown", type(exc).__name__) from None
-        replica = str(opening[1])
         n = job.request.params.n
-        stream = RemoteStream(gen, replica, n)
+        stream: FeedStream | RemoteStream
+        if self._feeds is not None:
+            stream = self._feeds.open(n, paced=streaming)
+            try:
+                fed = msgspec.structs.replace(job, feed=(self._id, stream.key))
+                gen, replica = await self._send(rid, fed)
+            except BaseException:
+                await stream.aclose()
+                raise
+            self._feeds.attach(stream, replica, gen)
+        else:
+            gen, replica = await self._send(rid, job)
+            stream = RemoteStream(gen, replica, n)
         headers = {"x-request-id": rid, REPLICA_HEADER: replica}
         try:
             first = await stream.__anext__()  # before the 200: a full queue still gets its 429
@@ -336,6 +286,21 @@ class Frontend:
                 raise closing_error()
         return json_response(whole(self._head(rid), gathered), headers=headers)
 
+    async def _send(self, rid: str, job: Job) -> tuple[DeploymentResponseGenerator, str]:
+        """The request's `generate` call, and the replica that took it."""
+        why = ""
+        for attempt in range(OPENING_TRIES):
+            # A replica that died before its first word produced nothing: try the survivors.
+            gen = self._streams.generate.remote(job)
+            try:
+                opening = await gen.__anext__()
+                return gen, str(opening[1])
+            except Exception as exc:
+                gen.cancel()
+                log.warning("replica_failed", request_id=rid, attempt=attempt, error=repr(exc))
+                why = type(exc).__name__
+        raise replica_failed("unknown", why)
+
     def _head(self, rid: str) -> rs.Head:
         if self._texts is None:
             self._texts = TokenTexts(self._codec.tokenizer)
@@ -357,7 +322,8 @@ class Frontend:
         return json_response(tk.detokenize(body, self._prompts, self._vocab))
 
     async def _health(self, request: Request, rid: str) -> Response:
-        return await self._reports.health(self._model_name)
+        feeds = self._feeds.stats() if self._feeds is not None else None
+        return await self._reports.health(self._model_name, feeds)
 
     async def _metrics(self, request: Request, rid: str) -> Response:
         return await self._reports.metrics()

@@ -2,12 +2,17 @@
 Ray actor process. Imports no Ray at module level; `cluster.app` wraps it with `serve.deployment`.
 
 `generate` streams tuples, so the frontend learns which replica serves before the first token:
-("replica", id), then ("chunks", packed)..., or ("error", kind, message) when the scheduler
-refuses the request (bad input, full queue, closing). Each item carries every chunk that had
-arrived by then, msgpack-encoded (`pack_chunks`: Serve pickles each item with cloudpickle, which
-walks a list of structs class by class; bytes it copies); under load, a stream's chunks wait for
-one another (`[cluster] stream_messages_per_s`, `stream_interval_s`), as each item costs the
-same through Ray whatever it carries."""
+("replica", id) first. Then, by default (`[cluster] stream_feed`), nothing more: the request's
+chunks go into its frontend's `Outbox`, and `feed`, one stream per frontend, carries every
+request's chunks in one item per step (a `FeedItem`). Each item crosses Ray at a cost of its own
+whatever it carries, and this process's share of that cost (Serve's per-item machinery, under the
+GIL the worker thread needs to build the next step) is what the per-request streams lost.
+
+Without the feed, `generate` goes on with ("chunks", packed)..., or ("error", kind, message) when
+the scheduler refuses the request (bad input, full queue, closing). Each item carries every
+chunk that had arrived by then, msgpack-encoded (`pack_chunks`: Serve pickles each item with
+cloudpickle, which walks a list of structs class by class; bytes it copies); under load, a
+stream's chunks wait for one another (`[cluster] stream_messages_per_s`, `stream_interval_s`)."""
 
 from __future__ import annotations
 
@@ -44,11 +49,53 @@ class Job(msgspec.Struct, frozen=True):
 
     request: Request
     keys: tuple[int, ...] = ()
+    feed: tuple[str, int] | None = None
+    """(frontend id, key): its chunks go to that frontend's feed under the key. None: they are
+    `generate`'s own items."""
+
+
+class FeedItem(msgspec.Struct, frozen=True, array_like=True):
+    """One item of a frontend's feed: each request's new chunks by its key, and the requests the
+    scheduler refused, by key, as (error class name, message)."""
+
+    chunks: dict[int, list[Chunk]] = {}
+    errors: dict[int, tuple[str, str]] = {}
 
 
 pack_chunks = msgspec.msgpack.Encoder().encode
-"""A streamed item's chunks as bytes (`unpack_chunks` reverses it)."""
+"""A streamed item's chunks (or a `FeedItem`) as bytes (`unpack_chunks`, `unpack_feed`)."""
 unpack_chunks = msgspec.msgpack.Decoder(list[Chunk]).decode
+unpack_feed = msgspec.msgpack.Decoder(FeedItem).decode
+
+
+class Outbox:
+    """What waits for one frontend's feed: the chunks of its requests on this replica, by key."""
+
+    def __init__(self) -> None:
+        self._chunks: dict[int, list[Chunk]] = {}
+        self._errors: dict[int, tuple[str, str]] = {}
+        self._ready = asyncio.Event()
+        self.readers = 0
+
+    def put(self, key: int, chunks: list[Chunk]) -> None:
+        held = self._chunks.get(key)
+        if held is None:
+            self._chunks[key] = chunks
+        else:
+            held += chunks
+        self._ready.set()
+
+    def refuse(self, key: int, error: SchedulerError) -> None:
+        self._errors[key] = (type(error).__name__, str(error))
+        self._ready.set()
+
+    async def take(self) -> tuple[bytes, int]:
+        """Everything put since the last take, once there is something, and for how many requests."""
+        await self._ready.wait()
+        self._ready.clear()
+        item = FeedItem(self._chunks, self._errors)
+        self._chunks, self._errors = {}, {}
+        return pack_chunks(item), len(item.chunks) + len(item.errors)
 
 
 def replica_id() -> str:
@@ -72,6 +119,9 @@ class SchedulerReplica:
         self._sessions: OrderedDict[str, float] = OrderedDict()  # the wall-clock time of each one's last turn
         self._open = 0  # open `generate` streams
         self._sending = 0  # of those, the ones past their first chunk: they share `stream_messages_per_s`
+        self._boxes: dict[str, Outbox] = {}  # by frontend id
+        self._feeds = 0  # open `feed` streams: they share `stream_messages_per_s`
+        self._fed = [0, 0]  # feed items sent, and the requests they carried (one count per item each)
         self._owner = asyncio.get_running_loop().create_task(self._own())
         await self._ready.wait()
         if self._failure is not None:
@@ -109,6 +159,9 @@ class SchedulerReplica:
 
     async def generate(self, job: Job) -> AsyncIterator[tuple[Any, ...]]:
         yield ("replica", self._id)
+        if job.feed is not None:
+            await self._to_feed(job, job.feed)
+            return
         c = self._config.cluster
         self._open += 1
         sending = False
@@ -134,6 +187,54 @@ class SchedulerReplica:
             if sending:
                 self._sending -= 1
 
+    async def _to_feed(self, job: Job, feed: tuple[str, int]) -> None:
+        frontend, key = feed
+        box = self._boxes.get(frontend) or self._boxes.setdefault(frontend, Outbox())
+        self._open += 1
+        sending = False
+        try:
+            stream = self.sched.submit(job.request)
+            async with stream:
+                async for chunk in stream:
+                    if not sending:
+                        self._remember(job)
+                        self._sending, sending = self._sending + 1, True
+                    box.put(key, [chunk, *stream.ready()])
+        except SchedulerError as exc:
+            box.refuse(key, exc)
+        finally:
+            self._open -= 1
+            if sending:
+                self._sending -= 1
+
+    async def feed(self, frontend: str, target: str | None = None) -> AsyncIterator[bytes]:
+        """The chunks of `frontend`'s requests here, one item per step or less: an empty item
+        first, so that the frontend knows the feed reached this replica. The replica's items
+        share `[cluster] stream_messages_per_s` (steps are usually slower than that)."""
+        box = self._boxes.get(frontend) or self._boxes.setdefault(frontend, Outbox())
+        box.readers += 1
+        self._feeds += 1
+        try:
+            yield b""
+            budget = self._config.cluster.stream_messages_per_s
+            sent = 0.0
+            while True:
+                gap = sent + self._feeds / budget - time.monotonic()
+                if gap > 0:
+                    await asyncio.sleep(gap)
+                data, requests = await box.take()
+                sent = time.monotonic()
+                self._fed[0] += 1
+                self._fed[1] += requests
+                yield data
+        finally:
+            self._feeds -= 1
+            box.readers -= 1
+            if not box.readers and self._boxes.get(frontend) is box:
+                # Its frontend is gone or starts another feed; requests still running here put
+                # into this box, which nobody reads: the frontend failed them with the feed.
+                del self._boxes[frontend]
+
     def _remember(self, job: Job) -> None:
         for key in job.keys:
             self._served[key] = None
@@ -148,7 +249,8 @@ class SchedulerReplica:
 
     async def replica_stats(self, target: str | None = None) -> dict[str, Any]:
         return {"replica": self._id, "pid": os.getpid(),
-                "streams": {"open": self._open, "sending": self._sending},
+                "streams": {"open": self._open, "sending": self._sending, "feeds": self._feeds,
+                            "feed_items": self._fed[0], "feed_requests": self._fed[1]},
                 "stats": msgspec.to_builtins(self.sched.stats())}
 
     async def prometheus(self, target: str | None = None) -> str:

@@ -52,7 +52,8 @@ class ReplicaReports:
                 unreachable.append(i)
         return out, unreachable
 
-    async def health(self, model_name: str) -> Response:
+    async def health(self, model_name: str, feeds: dict[str, Any] | None = None) -> Response:
+        """`feeds`: the answering frontend's streams (`Feeds.stats`), when it reads feeds."""
         answers, unreachable = await self.fan_out("replica_stats")
         replicas = [r for r in answers if isinstance(r, dict)]
         router = self._router()
@@ -60,7 +61,7 @@ class ReplicaReports:
         body = {"status": "ok" if replicas else "starting", "model": model_name,
                 "replicas": replicas, "unreachable": unreachable, "frontend": self._frontend,
                 "routing": dict(router.reasons) if router else {},
-                "in_flight": dict(router.inflight) if router else {}}
+                "in_flight": dict(router.inflight) if router else {}, "feeds": feeds}
         return Response(msgspec.json.encode(body), 200 if replicas else 503,
                         media_type="application/json")
 

@@ -94,16 +94,18 @@ class SchedulerRouter(RequestRouter):  # type: ignore[misc]  # Ray is untyped he
     ) -> None:
         rid = replica_id.unique_id
         route = _route(pending_request)
-        if route.target is None:
-            self.affinity.served(rid, route)
+        if route.target is not None:
+            return  # a call to a named replica (a feed, a fan-out) is not a request it holds
+        self.affinity.served(rid, route)
         self.inflight[rid] = self.inflight.get(rid, 0) + 1
         self.request_replica[pending_request.metadata.internal_request_id] = rid
-        if route.target is None and self.chosen.get(rid):
+        if self.chosen.get(rid):
             self.chosen[rid].popleft()  # counted as in flight now
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        rid = self.request_replica.pop(internal_request_id, replica_id.unique_id)
-        self.inflight[rid] = max(0, self.inflight.get(rid, 0) - 1)
+        rid = self.request_replica.pop(internal_request_id, None)
+        if rid is not None:
+            self.inflight[rid] = max(0, self.inflight.get(rid, 0) - 1)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
