@@ -6,10 +6,11 @@ through a real Ray Serve."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
-from scheduler.errors import QueueFull
+from scheduler.errors import QueueFull, SchedulerClosed
 from scheduler.serving.cluster.replica import FeedItem, Outbox, pack_chunks, unpack_feed
 from scheduler.serving.cluster.streams import REPLICA_FAILED, Feeds, RemoteStream
 from scheduler.serving.http.errors import from_scheduler
@@ -271,3 +272,46 @@ async def test_the_window_is_the_budget_shared_by_the_streams_sending() -> None:
     mark = loop.time()
     await streams[0].__anext__()
     assert 0.07 < loop.time() - mark < 0.2
+
+
+async def test_an_outbox_reads_the_streams_it_follows_once_a_step_and_lets_each_go_at_its_end() -> None:
+    from scheduler.request import Request
+    from scheduler.streaming.chunks import chunk_channel
+    from scheduler.streaming.stream import RequestStream
+
+    senders = []
+    cancelled: list[int] = []
+
+    def stream_of(rid: int) -> RequestStream:
+        send, recv = chunk_channel()
+        senders.append(send)
+
+        async def submit(request: Request) -> tuple[int, Any]:
+            return rid, recv
+
+        return RequestStream(submit, cancelled.append, Request(prompt=[1, 2]))
+
+    box = Outbox()
+    a, b = stream_of(1), stream_of(2)
+    senders[0].send_nowait(Chunk(1, "a0", [1]))
+    senders[1].send_nowait(Chunk(2, "b0", [1]))
+    assert (await a.__anext__()).text == "a0" and (await b.__anext__()).text == "b0"
+    followers = [asyncio.ensure_future(box.follow(7, a)), asyncio.ensure_future(box.follow(8, b))]
+    await settle()
+    data, requests = await box.take()
+    assert requests == 0 and unpack_feed(data).chunks == {}  # followed, nothing new yet
+    for step in range(1, 3):  # each step: one chunk per stream, one item for both
+        senders[0].send_nowait(Chunk(1, f"a{step}", [step]))
+        senders[1].send_nowait(Chunk(2, f"b{step}", [step]))
+        item = unpack_feed((await asyncio.wait_for(box.take(), 1))[0])
+        assert {k: [c.text for c in v] for k, v in item.chunks.items()} == {7: [f"a{step}"], 8: [f"b{step}"]}
+    senders[0].send_nowait(Chunk(1, "", [], "length"))
+    senders[1].close()  # the scheduler closing: no final chunk
+    item = unpack_feed((await asyncio.wait_for(box.take(), 1))[0])
+    assert [c.finish_reason for c in item.chunks[7]] == ["length"] and 8 not in item.chunks
+    await asyncio.wait_for(asyncio.gather(*followers), 1)  # both let go: ended, and all taken
+    assert a.ended and b.ended and cancelled == []
+    with pytest.raises(StopAsyncIteration):
+        await a.__anext__()
+    with pytest.raises(SchedulerClosed):  # what the replica then refuses the request with
+        await b.__anext__()

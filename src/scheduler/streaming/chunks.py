@@ -29,7 +29,7 @@ class ChunkOut(Protocol):
 
 
 class _State:
-    __slots__ = ("buffer", "closed", "final_waiter", "finals", "gone", "waiter")
+    __slots__ = ("buffer", "closed", "final_waiter", "finals", "gone", "listener", "waiter")
 
     def __init__(self) -> None:
         self.buffer: deque[Chunk] = deque()
@@ -41,11 +41,15 @@ class _State:
         """The sender closed: the receiver gets what is buffered, then EndOfStream."""
         self.gone = False
         """The receiver closed: sending raises BrokenResourceError."""
+        self.listener: Callable[[], None] | None = None
+        """Called on every chunk and at the close, for a caller that reads many channels in one task."""
 
     def wake(self) -> None:
         waiter, self.waiter = self.waiter, None
         if waiter is not None:
             waiter.set()
+        if self.listener is not None:
+            self.listener()
 
     def wake_final(self) -> None:
         waiter, self.final_waiter = self.final_waiter, None
@@ -113,6 +117,16 @@ class ChunkReceiver:
         while not (s.finals or s.closed or s.gone):
             s.final_waiter = waiter = anyio.Event()
             await waiter.wait()
+
+    def listen(self, listener: Callable[[], None] | None) -> None:
+        """Have the sender call `listener` on every chunk and at its close (None: no more)."""
+        self._s.listener = listener
+
+    @property
+    def ended(self) -> bool:
+        """Nothing more will come: the sender closed and every chunk was taken, or this end closed."""
+        s = self._s
+        return s.gone or (s.closed and not s.buffer)
 
     def receive_nowait(self) -> Chunk:
         """A chunk already delivered; WouldBlock when there is none yet, EndOfStream at the end."""
@@ -194,6 +208,13 @@ class SiblingReceiver:
 
     async def wait_final(self) -> None:
         await self._recv.wait_final()
+
+    def listen(self, listener: Callable[[], None] | None) -> None:
+        self._recv.listen(listener)
+
+    @property
+    def ended(self) -> bool:
+        return self._recv.ended
 
     def close(self) -> None:
         self._recv.close()

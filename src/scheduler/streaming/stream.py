@@ -124,6 +124,20 @@ class RequestStream:
             out += self.ready()
         return out
 
+    def listen(self, listener: Callable[[], None] | None) -> None:
+        """Call `listener` (on the event loop, with nothing) whenever a chunk arrives or the
+        stream ends: for a caller that reads many streams' `ready()` in one task, woken once per
+        step rather than once per stream. Call it after the first `__anext__`; None stops it."""
+        if self._recv is None:
+            raise RuntimeError("listen() before the first chunk: the request is not submitted yet")
+        self._recv.listen(listener)
+
+    @property
+    def ended(self) -> bool:
+        """No chunk will come: every choice's final chunk was taken, or the stream closed (the
+        next `__anext__` says how)."""
+        return self._done or (self._recv is not None and self._recv.ended)
+
     def _abandon(self) -> None:
         if self._done:
             return

@@ -17,6 +17,7 @@ stream's chunks wait for one another (`[cluster] stream_messages_per_s`, `stream
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections import OrderedDict
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from scheduler.config import SchedulerConfig
+    from scheduler.streaming.stream import RequestStream
 
 log = structlog.get_logger("scheduler.cluster")
 REPORTED_KEYS = 512  # block keys a replica reports per stats period: the newest it served
@@ -69,11 +71,15 @@ unpack_feed = msgspec.msgpack.Decoder(FeedItem).decode
 
 
 class Outbox:
-    """What waits for one frontend's feed: the chunks of its requests on this replica, by key."""
+    """What waits for one frontend's feed: the chunks of its requests on this replica, by key.
+    A request past its first chunk is followed rather than pushed: its stream calls back on each
+    chunk, and `take` reads every followed stream's `ready()`, so a step wakes one task (the
+    feed), not one per request."""
 
     def __init__(self) -> None:
         self._chunks: dict[int, list[Chunk]] = {}
         self._errors: dict[int, tuple[str, str]] = {}
+        self._following: dict[int, tuple[RequestStream, asyncio.Future[None]]] = {}
         self._ready = asyncio.Event()
         self.readers = 0
 
@@ -89,12 +95,31 @@ class Outbox:
         self._errors[key] = (type(error).__name__, str(error))
         self._ready.set()
 
+    async def follow(self, key: int, stream: RequestStream) -> None:
+        """Carry `stream`'s chunks under `key` until it has ended and `take` has them all."""
+        done = asyncio.get_running_loop().create_future()
+        self._following[key] = (stream, done)
+        stream.listen(self._ready.set)
+        self._ready.set()  # what came before it listened
+        try:
+            await done
+        finally:
+            self._following.pop(key, None)
+            stream.listen(None)
+
     async def take(self) -> tuple[bytes, int]:
         """Everything put since the last take, once there is something, and for how many requests."""
         await self._ready.wait()
         self._ready.clear()
-        item = FeedItem(self._chunks, self._errors)
-        self._chunks, self._errors = {}, {}
+        chunks, self._chunks = self._chunks, {}
+        for key, (stream, done) in self._following.items():
+            if got := stream.ready():
+                held = chunks.get(key)
+                chunks[key] = got if held is None else held + got
+            if stream.ended and not done.done():
+                done.set_result(None)
+        item = FeedItem(chunks, self._errors)
+        self._errors = {}
         return pack_chunks(item), len(item.chunks) + len(item.errors)
 
 
@@ -195,11 +220,13 @@ class SchedulerReplica:
         try:
             stream = self.sched.submit(job.request)
             async with stream:
-                async for chunk in stream:
-                    if not sending:
-                        self._remember(job)
-                        self._sending, sending = self._sending + 1, True
-                    box.put(key, [chunk, *stream.ready()])
+                first = await stream.__anext__()  # a refusal raises here
+                self._remember(job)
+                self._sending, sending = self._sending + 1, True
+                box.put(key, [first, *stream.ready()])
+                await box.follow(key, stream)
+                with contextlib.suppress(StopAsyncIteration):  # it ended with its final chunks
+                    await stream.__anext__()  # else the scheduler closed first: this raises why
         except SchedulerError as exc:
             box.refuse(key, exc)
         finally:
