@@ -45,8 +45,8 @@ class ReplicaReports:
         unreachable: list[str] = []
         for i in ids:
             try:
-                out.append(await asyncio.wait_for(getattr(self._backend, method).remote(target=i),
-                                                  FAN_OUT_TIMEOUT_S))
+                async with asyncio.timeout(FAN_OUT_TIMEOUT_S):  # wait_for can swallow a cancel on 3.11
+                    out.append(await getattr(self._backend, method).remote(target=i))
             except Exception as exc:  # a dead or stuck replica is reported, and logged
                 log.warning("replica_unreachable", replica=i, method=method, error=repr(exc))
                 unreachable.append(i)

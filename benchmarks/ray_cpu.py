@@ -1,0 +1,159 @@
+"""What the Ray path costs each of its processes: one replica behind Ray Serve (`ray_one.py`, the
+path of `serve --replicas N`), driven by `mlx-scheduler bench`, with `[cluster] stream_feed` on
+(a feed per frontend and replica, the default) and off (a Serve stream per request), interleaved.
+For each run: tokens/s, and the CPU seconds the replica, the frontend and Serve's proxy used.
+
+    python benchmarks/ray_cpu.py --model synthetic:tiny --concurrency 256 --requests 1024 --repeat 2
+
+Linux only (it reads /proc). Needs the cluster extra. Prints a table; `--out` writes JSON with the
+feed's ratios to the stream per request, round by round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+PROCESSES = ("SchedulerReplica", "Frontend", "ProxyActor")
+TOML = """[model]
+path = "{model}"
+[kvpool]
+memory = "{memory}"
+[worker]
+max_batch = {conc}
+[scheduler]
+max_queue = 4096
+[cluster]
+stream_feed = {feed}
+"""
+
+
+def serve_processes() -> dict[str, int]:
+    """The pids of Serve's replica, frontend and proxy actors, by their process titles."""
+    out: dict[str, int] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        for name in PROCESSES:
+            if name in cmd and "ray::" in cmd:
+                out[name] = int(pid)
+    return out
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def wait_healthy(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"the Ray path did not come up within {timeout:.0f} s")
+
+
+def one_run(args: argparse.Namespace, feed: bool, work: Path) -> dict[str, Any]:
+    config = work / "scheduler.toml"
+    config.write_text(TOML.format(model=args.model, memory=args.memory, conc=args.concurrency,
+                                  feed=str(feed).lower()))
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent / "src"), str(here.parent)]))
+    url = f"http://127.0.0.1:{args.port}"
+    with (work / f"server-{feed}.log").open("w") as log:
+        server = subprocess.Popen([sys.executable, "-P", str(here / "ray_one.py"), "--config", str(config),
+                                   "--port", str(args.port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        wait_healthy(url, args.start_timeout)
+        pids = serve_processes()
+        missing = set(PROCESSES) - set(pids)
+        if missing:
+            raise SystemExit(f"no process found for {sorted(missing)}")
+        report = work / f"bench-{feed}.json"
+        bench = [sys.executable, "-m", "scheduler.cli", "bench", "--url", url, "--model", args.model,
+                 "--num-prompts", str(args.requests), "--input-len", str(args.prompt_tokens),
+                 "--output-len", str(args.max_tokens), "--ignore-eos", "--concurrency", str(args.concurrency),
+                 "--warmup", str(min(args.concurrency, 64)), "--quiet", "--json", str(report)]
+        before, started = cpu_seconds(pids), time.monotonic()
+        subprocess.run(bench, env=env, check=True, stdout=subprocess.DEVNULL)
+        wall, after = time.monotonic() - started, cpu_seconds(pids)
+        data = json.loads(report.read_text())
+        data = data[0] if isinstance(data, list) else data
+        return {"feed": feed, "tok_s": float(data["output_throughput"]), "wall_s": round(wall, 2),
+                "cpu_s": {k: round(after[k] - before[k], 2) for k in PROCESSES}, "load": os.getloadavg()[0]}
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="synthetic:tiny")
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=1024)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--memory", default="2GiB", help="[kvpool] memory of the replica")
+    ap.add_argument("--repeat", type=int, default=2, help="rounds, each running both kinds (order alternates)")
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--start-timeout", type=float, default=240)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    load_before = os.getloadavg()
+    rounds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeat):
+            runs: dict[bool, dict[str, Any]] = {}
+            for feed in (True, False) if r % 2 == 0 else (False, True):
+                runs[feed] = one_run(args, feed, Path(tmp))
+                row = runs[feed]
+                print(f"round {r + 1} {'feed' if feed else 'a stream per request':<22} {row['tok_s']:8.1f} tok/s  "
+                      + "  ".join(f"{k} {v:6.2f} s" for k, v in row["cpu_s"].items())
+                      + f"  load {row['load']:.1f}", flush=True)
+                time.sleep(3)  # Ray's processes gone before the next start
+            feed_row, per_row = runs[True], runs[False]
+            rounds.append({"feed": feed_row, "per_request": per_row,
+                           "tok_s_ratio": round(feed_row["tok_s"] / per_row["tok_s"], 3),
+                           "cpu_ratio": {k: round(feed_row["cpu_s"][k] / per_row["cpu_s"][k], 3)
+                                         for k in PROCESSES}})
+    for r, got in enumerate(rounds, 1):
+        print(f"round {r}: feed / a stream per request: tok/s x{got['tok_s_ratio']}, CPU s "
+              + ", ".join(f"{k} x{v}" for k, v in got["cpu_ratio"].items()))
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": load_before,
+               "load_after": os.getloadavg(), "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    print(f"{machine['when']}  {machine['platform']}  nproc {machine['cpus']}  load avg before "
+          f"{' '.join(f'{x:.2f}' for x in load_before)}, after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.out:
+        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "machine": machine,
+                                        "rounds": rounds}, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
