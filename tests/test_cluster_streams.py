@@ -190,7 +190,8 @@ async def test_a_refused_request_raises_its_error_before_any_chunk() -> None:
 async def test_a_dead_replica_ends_its_streams_with_an_error_naming_it_and_the_next_request_reopens() -> None:
     fd, handle = feeds()
     here, elsewhere = fd.open(1, paced=True), fd.open(1, paced=True)
-    fd.attach(here, "r1", FakeGenerator([]))  # type: ignore[arg-type]
+    gen = FakeGenerator([])
+    fd.attach(here, "r1", gen)  # type: ignore[arg-type]
     fd.attach(elsewhere, "r2", FakeGenerator([]))  # type: ignore[arg-type]
     handle.feeds["r1"][0].send({here.key: [Chunk(1, "hi", [5])]})
     assert (await here.__anext__()).text == "hi"
@@ -200,6 +201,7 @@ async def test_a_dead_replica_ends_its_streams_with_an_error_naming_it_and_the_n
     assert last.error is not None and "r1" in last.error and "ActorDiedError" in last.error
     with pytest.raises(StopAsyncIteration):
         await here.__anext__()
+    assert gen.cancelled  # were its replica alive behind a broken feed, its request stops there
     await settle()
     assert fd.stats() == {"feeds": ["r2"], "open": 1, "sending": 0}  # the other replica's stream goes on
     assert handle.feeds["r1"][0].cancelled

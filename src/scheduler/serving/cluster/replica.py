@@ -5,8 +5,9 @@ Ray actor process. Imports no Ray at module level; `cluster.app` wraps it with `
 ("replica", id) first. Then, by default (`[cluster] stream_feed`), nothing more: the request's
 chunks go into its frontend's `Outbox`, and `feed`, one stream per frontend, carries every
 request's chunks in one item per step (a `FeedItem`). Each item crosses Ray at a cost of its own
-whatever it carries, and this process's share of that cost (Serve's per-item machinery, under the
-GIL the worker thread needs to build the next step) is what the per-request streams lost.
+whatever it carries, and this process pays its share of that cost (Serve's per-item machinery)
+under the GIL the worker thread needs to build the next step: once per step, not once per window
+of every request's stream.
 
 Without the feed, `generate` goes on with ("chunks", packed)..., or ("error", kind, message) when
 the scheduler refuses the request (bad input, full queue, closing). Each item carries every

@@ -191,18 +191,22 @@ class FeedStream:
         return out
 
     def _took(self, chunk: Chunk) -> Chunk:
-        if chunk.finish_reason is not None:
+        if chunk.request_id == REPLICA_FAILED:
+            self._end(cancel=True)  # were the replica alive with a broken feed, it stops there too
+        elif chunk.finish_reason is not None:
             self._finals_left -= 1
-            if self._finals_left <= 0 or chunk.request_id == REPLICA_FAILED:
+            if self._finals_left <= 0:
                 self._end()
         return chunk
 
-    def _end(self) -> None:
+    def _end(self, cancel: bool = False) -> None:
         if self._ended:
             return
         self._ended = True
         self._feeds.release(self)
-        if self._gen is not None:
+        if self._gen is not None and cancel:
+            self._gen.cancel()
+        elif self._gen is not None:
             # Serve counts the request as the replica's until its `generate` call ends, which it
             # does right after the last chunk: read that end, off this stream's path.
             self._feeds.finish(self._gen)
