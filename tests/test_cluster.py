@@ -432,6 +432,53 @@ def test_a_killed_replica_ends_its_requests_and_is_replaced(cluster: str) -> Non
     assert by_replica[newcomer] > 0, by_replica
 
 
+def test_a_killed_frontend_cancels_what_it_was_streaming_and_is_replaced(cluster: str) -> None:
+    """Its requests' calls and feeds die with it: the replicas cancel those requests (their rows
+    and blocks come back), the clients' connections end, and Serve's new frontend serves."""
+    first = health(cluster)
+    body = {"prompt": "streamed by a frontend about to die", "max_tokens": 1500, "ignore_eos": True,
+            "stream": True}
+
+    def stream_until_cut() -> int:
+        got = 0
+        try:
+            with httpx.stream("POST", f"{cluster}/v1/completions", json=body, timeout=60) as reply:
+                for line in reply.iter_lines():
+                    got += line.startswith("data:")
+        except httpx.HTTPError:
+            pass  # the proxy may drop the connection rather than end it
+        return got
+
+    before = sum(r["stats"]["generated_tokens"] for r in first["replicas"])
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(stream_until_cut) for _ in range(4)]
+        deadline = time.monotonic() + 30
+        while sum(r["stats"]["running"] for r in health(cluster)["replicas"]) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        os.kill(first["frontend_pid"], signal.SIGKILL)
+        started = time.monotonic()
+        assert all(s.result(timeout=60) > 0 for s in streams)  # every client's stream ended: no hang
+    assert time.monotonic() - started < 60
+    deadline, now = time.monotonic() + 90, first
+    while time.monotonic() < deadline:
+        try:
+            now = health(cluster)
+        except (AssertionError, httpx.HTTPError):  # the proxy has no frontend yet
+            time.sleep(0.5)
+            continue
+        if now["frontend_pid"] != first["frontend_pid"] and not any(
+                r["stats"]["running"] or r["streams"]["open"] for r in now["replicas"]):
+            break
+        time.sleep(0.5)
+    assert now["frontend_pid"] != first["frontend_pid"]
+    assert all(r["stats"]["running"] == 0 and r["streams"]["open"] == 0 for r in now["replicas"]), now["replicas"]
+    assert all(r["stats"]["blocks_used"] == 0 for r in now["replicas"])
+    assert sum(r["stats"]["generated_tokens"] for r in now["replicas"]) - before < 4 * 1500  # cancelled
+    served = complete(cluster, prompt="served by the new frontend")
+    assert served.status_code == 200, served.text
+
+
 def test_two_frontends_share_the_work_and_what_each_routed(cluster: str, model_cache: Path) -> None:
     """`frontends = 2`: Serve's proxy spreads requests over both, and a session's turns stay on
     one replica whichever frontend takes them (each router learns the sessions the other routed

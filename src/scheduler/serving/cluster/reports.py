@@ -4,6 +4,7 @@ every live replica that names the ones that did not answer."""
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -60,6 +61,7 @@ class ReplicaReports:
         # With several frontends, the routing counts are those of the one that answers.
         body = {"status": "ok" if replicas else "starting", "model": model_name,
                 "replicas": replicas, "unreachable": unreachable, "frontend": self._frontend,
+                "frontend_pid": os.getpid(),
                 "routing": dict(router.reasons) if router else {},
                 "in_flight": dict(router.inflight) if router else {}, "feeds": feeds}
         return Response(msgspec.json.encode(body), 200 if replicas else 503,
