@@ -317,3 +317,21 @@ async def test_an_outbox_reads_the_streams_it_follows_once_a_step_and_lets_each_
         await a.__anext__()
     with pytest.raises(SchedulerClosed):  # what the replica then refuses the request with
         await b.__anext__()
+
+
+async def test_after_one_choice_ends_the_others_are_still_paced() -> None:
+    fd, handle = feeds(messages_per_s=10.0)  # a window of 0.1 s
+    stream = fd.open(2, paced=True)
+    fd.attach(stream, "r1", FakeGenerator([]))  # type: ignore[arg-type]
+    live = handle.feeds["r1"][0]
+    loop = asyncio.get_running_loop()
+    live.send({stream.key: [Chunk(1, "a", [5], index=0), Chunk(2, "x", [6], index=1)]})
+    assert [(await stream.__anext__()).text, *(c.text for c in stream.ready())] == ["a", "x"]
+    mark = loop.time()
+    live.send({stream.key: [Chunk(1, "", [], "length", index=0)]})
+    assert (await stream.__anext__()).finish_reason == "length"
+    assert loop.time() - mark < 0.05  # a final goes at once
+    live.send({stream.key: [Chunk(2, "y", [7], index=1)]})
+    mark = loop.time()
+    assert (await stream.__anext__()).text == "y"
+    assert 0.07 < loop.time() - mark < 0.2  # the other choice's chunks wait for their window again

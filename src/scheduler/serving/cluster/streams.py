@@ -112,7 +112,6 @@ class FeedStream:
         self._gen: DeploymentResponseGenerator | None = None
         self._here: deque[Chunk] = deque()
         self._finals_left = choices
-        self._final_here = False
         self._refusal: errors.SchedulerError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._wake_on_any = True
@@ -126,7 +125,6 @@ class FeedStream:
     def push(self, chunks: list[Chunk]) -> None:
         self._here.extend(chunks)
         final = any(c.finish_reason is not None for c in chunks)
-        self._final_here = self._final_here or final
         if not self._sending:
             self._sending = True
             self._feeds.sending += 1
@@ -172,7 +170,8 @@ class FeedStream:
             refusal, self._refusal = self._refusal, None
             self._end()
             raise refusal
-        if self._paced and self._sent is not None and self._shown and not self._final_here:
+        if (self._paced and self._sent is not None and self._shown
+                and all(c.finish_reason is None for c in self._here)):
             # One wait for the window: chunks that are not final do not wake it.
             loop = asyncio.get_running_loop()
             c = self._feeds
