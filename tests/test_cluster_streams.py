@@ -12,7 +12,7 @@ import pytest
 
 from scheduler.errors import QueueFull, SchedulerClosed
 from scheduler.serving.cluster.replica import FeedItem, Outbox, pack_chunks, unpack_feed
-from scheduler.serving.cluster.streams import REPLICA_FAILED, Feeds, RemoteStream
+from scheduler.serving.cluster.streams import REPLICA_FAILED, Feeds, FeedStream, RemoteStream
 from scheduler.serving.http.errors import from_scheduler
 from scheduler.types import Chunk
 
@@ -120,7 +120,15 @@ class FakeHandle:
 
 def feeds(messages_per_s: float = 640.0, interval_s: float = 0.25) -> tuple[Feeds, FakeHandle]:
     handle = FakeHandle()
-    return Feeds(handle, "front-1", messages_per_s, interval_s), handle  # type: ignore[arg-type]
+    return Feeds(handle, "front-1", messages_per_s, interval_s), handle
+
+
+def sent(fd: Feeds, replica: str = "r1", choices: int = 1, paced: bool = True) -> tuple[FeedStream, FakeGenerator]:
+    """A stream opened and attached to `replica`, as the frontend does once the replica took its
+    request; and that request's `generate` call."""
+    stream, gen = fd.open(choices, paced), FakeGenerator([])
+    fd.attach(stream, replica, gen)
+    return stream, gen
 
 
 async def settle() -> None:
@@ -149,10 +157,8 @@ async def test_an_outbox_carries_every_request_put_since_the_last_item_in_one() 
 
 async def test_a_feed_splits_its_items_by_request_and_each_stream_ends_at_its_final() -> None:
     fd, handle = feeds()
-    one, two = fd.open(1, paced=False), fd.open(2, paced=False)
-    gens = [FakeGenerator([]), FakeGenerator([])]
-    fd.attach(one, "r1", gens[0])  # type: ignore[arg-type]
-    fd.attach(two, "r1", gens[1])  # type: ignore[arg-type]
+    (one, gen_one), (two, gen_two) = sent(fd, paced=False), sent(fd, choices=2, paced=False)
+    gens = [gen_one, gen_two]
     assert len(handle.feeds["r1"]) == 1  # one feed per replica, whatever the requests
     live = handle.feeds["r1"][0]
     live.send({one.key: [Chunk(1, "a", [5])], two.key: [Chunk(2, "p", [3], index=0)]})
@@ -177,8 +183,7 @@ async def test_a_feed_splits_its_items_by_request_and_each_stream_ends_at_its_fi
 
 async def test_a_refused_request_raises_its_error_before_any_chunk() -> None:
     fd, handle = feeds()
-    stream = fd.open(1, paced=True)
-    fd.attach(stream, "r1", FakeGenerator([]))  # type: ignore[arg-type]
+    stream, _ = sent(fd)
     live = handle.feeds["r1"][0]
     live.queue.put_nowait(pack_chunks(FeedItem(errors={stream.key: ("QueueFull", "the queue holds 8")})))
     with pytest.raises(QueueFull) as caught:
@@ -189,10 +194,7 @@ async def test_a_refused_request_raises_its_error_before_any_chunk() -> None:
 
 async def test_a_dead_replica_ends_its_streams_with_an_error_naming_it_and_the_next_request_reopens() -> None:
     fd, handle = feeds()
-    here, elsewhere = fd.open(1, paced=True), fd.open(1, paced=True)
-    gen = FakeGenerator([])
-    fd.attach(here, "r1", gen)  # type: ignore[arg-type]
-    fd.attach(elsewhere, "r2", FakeGenerator([]))  # type: ignore[arg-type]
+    (here, gen), _ = sent(fd), sent(fd, "r2")
     handle.feeds["r1"][0].send({here.key: [Chunk(1, "hi", [5])]})
     assert (await here.__anext__()).text == "hi"
     handle.feeds["r1"][0].queue.put_nowait(RuntimeError("ActorDiedError"))
@@ -205,17 +207,13 @@ async def test_a_dead_replica_ends_its_streams_with_an_error_naming_it_and_the_n
     await settle()
     assert fd.stats() == {"feeds": ["r2"], "open": 1, "sending": 0}  # the other replica's stream goes on
     assert handle.feeds["r1"][0].cancelled
-    again = fd.open(1, paced=False)
-    fd.attach(again, "r1", FakeGenerator([]))  # type: ignore[arg-type]
+    sent(fd, paced=False)
     assert len(handle.feeds["r1"]) == 2  # a new feed to it (Serve's replacement, were it replaced)
 
 
 async def test_a_client_that_leaves_cancels_its_request_and_its_late_chunks_are_dropped() -> None:
     fd, handle = feeds()
-    stream, other = fd.open(1, paced=False), fd.open(1, paced=False)
-    gen = FakeGenerator([])
-    fd.attach(stream, "r1", gen)  # type: ignore[arg-type]
-    fd.attach(other, "r1", FakeGenerator([]))  # type: ignore[arg-type]
+    (stream, gen), (other, _) = sent(fd, paced=False), sent(fd, paced=False)
     live = handle.feeds["r1"][0]
     live.send({stream.key: [Chunk(1, "a", [5])]})
     async with stream:
@@ -228,9 +226,7 @@ async def test_a_client_that_leaves_cancels_its_request_and_its_late_chunks_are_
 
 async def test_paced_chunks_wait_for_one_another_up_to_the_budget_and_a_final_goes_at_once() -> None:
     fd, handle = feeds(messages_per_s=10.0)  # one stream sending: a window of 0.1 s
-    stream, loose = fd.open(1, paced=True), fd.open(1, paced=False)
-    fd.attach(stream, "r1", FakeGenerator([]))  # type: ignore[arg-type]
-    fd.attach(loose, "r1", FakeGenerator([]))  # type: ignore[arg-type]
+    (stream, _), (loose, _) = sent(fd), sent(fd, paced=False)
     live = handle.feeds["r1"][0]
     loop = asyncio.get_running_loop()
     live.send({stream.key: [Chunk(1, "a", [5])]})
@@ -261,9 +257,7 @@ async def test_paced_chunks_wait_for_one_another_up_to_the_budget_and_a_final_go
 
 async def test_the_window_is_the_budget_shared_by_the_streams_sending() -> None:
     fd, handle = feeds(messages_per_s=40.0, interval_s=10.0)
-    streams = [fd.open(1, paced=True) for _ in range(4)]
-    for s in streams:
-        fd.attach(s, "r1", FakeGenerator([]))  # type: ignore[arg-type]
+    streams = [sent(fd)[0] for _ in range(4)]
     live = handle.feeds["r1"][0]
     live.send({s.key: [Chunk(1, "a", [5])] for s in streams})
     for s in streams:
@@ -321,8 +315,7 @@ async def test_an_outbox_reads_the_streams_it_follows_once_a_step_and_lets_each_
 
 async def test_after_one_choice_ends_the_others_are_still_paced() -> None:
     fd, handle = feeds(messages_per_s=10.0)  # a window of 0.1 s
-    stream = fd.open(2, paced=True)
-    fd.attach(stream, "r1", FakeGenerator([]))  # type: ignore[arg-type]
+    stream, _ = sent(fd, choices=2)
     live = handle.feeds["r1"][0]
     loop = asyncio.get_running_loop()
     live.send({stream.key: [Chunk(1, "a", [5], index=0), Chunk(2, "x", [6], index=1)]})
