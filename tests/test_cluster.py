@@ -458,7 +458,9 @@ def test_a_killed_frontend_cancels_what_it_was_streaming_and_is_replaced(cluster
             time.sleep(0.1)
         os.kill(first["frontend_pid"], signal.SIGKILL)
         started = time.monotonic()
-        assert all(s.result(timeout=60) > 0 for s in streams)  # every client's stream ended: no hang
+        # Every client's stream ended (no hang), cut short: a stream may not have shown its first
+        # event yet when the frontend died (once, one of four had none).
+        assert all(s.result(timeout=60) < 1500 for s in streams)
     assert time.monotonic() - started < 60
     deadline, now = time.monotonic() + 90, first
     while time.monotonic() < deadline:
