@@ -111,16 +111,14 @@ class Outbox:
     async def take(self) -> tuple[bytes, int]:
         """Everything put since the last take, once there is something, and for how many requests."""
         await self._ready.wait()
-        self._ready.clear()
-        chunks, self._chunks = self._chunks, {}
         for key, (stream, done) in self._following.items():
             if got := stream.ready():
-                held = chunks.get(key)
-                chunks[key] = got if held is None else held + got
+                self.put(key, got)
             if stream.ended and not done.done():
                 done.set_result(None)
-        item = FeedItem(chunks, self._errors)
-        self._errors = {}
+        self._ready.clear()  # after the puts above: nothing else puts until this returns
+        item = FeedItem(self._chunks, self._errors)
+        self._chunks, self._errors = {}, {}
         return pack_chunks(item), len(item.chunks) + len(item.errors)
 
 
@@ -215,7 +213,7 @@ class SchedulerReplica:
 
     async def _to_feed(self, job: Job, feed: tuple[str, int]) -> None:
         frontend, key = feed
-        box = self._boxes.get(frontend) or self._boxes.setdefault(frontend, Outbox())
+        box = self._box(frontend)
         self._open += 1
         sending = False
         try:
@@ -239,7 +237,7 @@ class SchedulerReplica:
         """The chunks of `frontend`'s requests here, one item per step or less: an empty item
         first, so that the frontend knows the feed reached this replica. The replica's items
         share `[cluster] stream_messages_per_s` (steps are usually slower than that)."""
-        box = self._boxes.get(frontend) or self._boxes.setdefault(frontend, Outbox())
+        box = self._box(frontend)
         box.readers += 1
         self._feeds += 1
         try:
@@ -262,6 +260,12 @@ class SchedulerReplica:
                 # Its frontend is gone or starts another feed; requests still running here put
                 # into this box, which nobody reads: the frontend failed them with the feed.
                 del self._boxes[frontend]
+
+    def _box(self, frontend: str) -> Outbox:
+        box = self._boxes.get(frontend)
+        if box is None:
+            box = self._boxes[frontend] = Outbox()
+        return box
 
     def _remember(self, job: Job) -> None:
         for key in job.keys:

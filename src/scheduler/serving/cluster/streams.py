@@ -212,11 +212,7 @@ class FeedStream:
 
     async def aclose(self) -> None:
         """Cancel the request on its replica if it has not ended. Safe to call more than once."""
-        if not self._ended:
-            self._ended = True
-            self._feeds.release(self)
-            if self._gen is not None:
-                self._gen.cancel()
+        self._end(cancel=True)
 
     def fail(self, why: str) -> None:
         if not self._ended:
