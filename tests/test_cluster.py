@@ -50,6 +50,7 @@ num_cpus = 0.5
 stats_period_s = 0.2
 frontends = {frontends}
 stream_feed = {feed}
+scheduler_process = {child}
 [server]
 # Only the token endpoints are guarded, so the other tests need no key.
 api_keys = ["cluster-key"]
@@ -64,8 +65,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _config(model_cache: Path, frontends: int = 1, feed: bool = True) -> SchedulerConfig:
-    return SchedulerConfig.from_toml(TOML.format(cache=model_cache, frontends=frontends, feed=str(feed).lower()))
+def _config(model_cache: Path, frontends: int = 1, feed: bool = True, child: bool = True) -> SchedulerConfig:
+    return SchedulerConfig.from_toml(TOML.format(cache=model_cache, frontends=frontends, feed=str(feed).lower(),
+                                                 child=str(child).lower()))
 
 
 @pytest.fixture(scope="module")
@@ -432,6 +434,32 @@ def test_a_killed_replica_ends_its_requests_and_is_replaced(cluster: str) -> Non
     assert by_replica[newcomer] > 0, by_replica
 
 
+def test_a_replica_whose_scheduler_process_dies_ends_its_requests_and_is_replaced(cluster: str) -> None:
+    before = {r["replica"]: r for r in health(cluster)["replicas"]}
+    assert all(r["scheduler_pid"] != r["pid"] for r in before.values())  # a process of its own
+    body = {"prompt": "tell me everything again", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{cluster}/v1/completions", json=body, timeout=60) as reply:
+        victim = reply.headers["x-replica"]
+        lines = reply.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        os.kill(before[victim]["scheduler_pid"], signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data:")]
+    error = msgspec.json.decode(rest[-2][5:])["error"]
+    assert error["code"] == "replica_failed" and victim in error["message"], error
+    assert rest[-1] == "data: [DONE]"
+    # Its health check fails, and Serve replaces it; the other replica serves meanwhile.
+    survivor = complete(cluster, prompt="while one replica is replaced")
+    assert survivor.status_code == 200, survivor.text
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        now = {r["replica"]: r for r in health(cluster)["replicas"]}
+        if len(now) == 2 and victim not in now:
+            break
+        time.sleep(1)
+    assert len(now) == 2 and victim not in now, now
+    assert all(r["scheduler_pid"] != r["pid"] for r in now.values())
+
+
 def test_a_killed_frontend_cancels_what_it_was_streaming_and_is_replaced(cluster: str) -> None:
     """Its requests' calls and feeds die with it: the replicas cancel those requests (their rows
     and blocks come back), the clients' connections end, and Serve's new frontend serves."""
@@ -485,8 +513,10 @@ def test_two_frontends_share_the_work_and_what_each_routed(cluster: str, model_c
     """`frontends = 2`: Serve's proxy spreads requests over both, and a session's turns stay on
     one replica whichever frontend takes them (each router learns the sessions the other routed
     from the replicas' reports). The turns share no prefix, so only the session keeps them.
-    This deployment streams each request on its own (`stream_feed = false`), the other path."""
-    deploy(_config(model_cache, frontends=2, feed=False), 2)
+    This deployment takes the other paths: each request streamed on its own (`stream_feed =
+    false`), and each replica's scheduler in the actor's process (`scheduler_process = false`)."""
+    deploy(_config(model_cache, frontends=2, feed=False, child=False), 2)
+    assert all(r["scheduler_pid"] == r["pid"] for r in health(cluster)["replicas"])
     assert len({health(cluster)["frontend"] for _ in range(24)}) == 2
     assert health(cluster)["feeds"] is None
     bodies = [{"prompt": f"unfed {i}", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,

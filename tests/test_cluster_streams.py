@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from scheduler.errors import QueueFull, SchedulerClosed
+from scheduler.serving.cluster import REPLICA_FAILED
 from scheduler.serving.cluster.replica import FeedItem, Outbox, pack_chunks, unpack_feed
-from scheduler.serving.cluster.streams import REPLICA_FAILED, Feeds, FeedStream, RemoteStream
+from scheduler.serving.cluster.streams import Feeds, FeedStream, RemoteStream
 from scheduler.serving.http.errors import from_scheduler
 from scheduler.types import Chunk
 

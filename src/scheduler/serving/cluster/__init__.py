@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 REPLICAS = "SchedulerReplica"
 FRONTENDS = "Frontend"
 """The Serve deployments' names: each deployment's router is found by them (`routing.newest_router`)."""
+REPLICA_FAILED = -1
+"""The request id of the error chunk that stands for a dead replica (or its scheduler process)."""
 GRPC_ENV = "RAY_SERVE_USE_GRPC_BY_DEFAULT"
 """Serve's switch for gRPC between its proxy and the replicas; a local Ray starts with it on."""
 

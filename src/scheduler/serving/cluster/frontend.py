@@ -17,10 +17,10 @@ import structlog
 from scheduler import errors
 from scheduler.admission.kvplan import prompt_keys
 from scheduler.request import chat_template_ids
-from scheduler.serving.cluster import grpc_by_default
+from scheduler.serving.cluster import REPLICA_FAILED, grpc_by_default
 from scheduler.serving.cluster.replica import Job, replica_id
 from scheduler.serving.cluster.reports import ReplicaReports
-from scheduler.serving.cluster.streams import REPLICA_FAILED, Feeds, FeedStream, RemoteStream
+from scheduler.serving.cluster.streams import Feeds, FeedStream, RemoteStream
 from scheduler.serving.http import anthropic, responses_api
 from scheduler.serving.http import requests as rq
 from scheduler.serving.http import responses as rs

@@ -32,6 +32,7 @@ from scheduler.api import Scheduler
 from scheduler.errors import SchedulerError
 from scheduler.request import Request  # noqa: TC001 - msgspec needs it at runtime
 from scheduler.serving.cluster.prom import label_replica
+from scheduler.serving.cluster.remote import ChildScheduler
 from scheduler.serving.heap import freeze_startup_heap
 from scheduler.types import Chunk
 
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from scheduler.streaming.stream import RequestStream
 
 log = structlog.get_logger("scheduler.cluster")
+REPLICA_EXIT_CODE = 70
+"""The exit status of a replica whose scheduler process died (EX_SOFTWARE)."""
 REPORTED_KEYS = 512  # block keys a replica reports per stats period: the newest it served
 REPORTED_SESSIONS = 512  # and sessions: routers learn the owners of sessions other frontends routed
 
@@ -135,7 +138,7 @@ class SchedulerReplica:
     async def __init__(self, config: SchedulerConfig) -> None:  # type: ignore[misc]  # Serve awaits it
         self._config = config
         self._id = replica_id()
-        self._sched: Scheduler | None = None
+        self._sched: Scheduler | ChildScheduler | None = None
         self._ready = asyncio.Event()
         self._stop = asyncio.Event()
         self._failure: BaseException | None = None
@@ -154,9 +157,11 @@ class SchedulerReplica:
 
     async def _own(self) -> None:
         try:
-            async with Scheduler(self._config) as sched:
+            config, in_child = self._config, self._config.cluster.scheduler_process
+            opened = ChildScheduler(config, self._scheduler_died) if in_child else Scheduler(config)
+            async with opened as sched:
                 self._sched = sched
-                if self._config.server.freeze_heap:  # a replica's process is ours alone
+                if self._config.server.freeze_heap and not in_child:  # a replica's process is ours alone
                     freeze_startup_heap()
                 self._ready.set()
                 await self._stop.wait()
@@ -171,9 +176,16 @@ class SchedulerReplica:
         self._stop.set()
 
     @property
-    def sched(self) -> Scheduler:
+    def sched(self) -> Scheduler | ChildScheduler:
         assert self._sched is not None
         return self._sched
+
+    def _scheduler_died(self, why: str) -> None:
+        """Its scheduler process died: this replica can serve nothing more, so its process ends
+        as if it had died with it. Serve then treats it as any dead replica (the frontends fail
+        its requests with `replica_failed` as their feeds break, and Serve starts another)."""
+        log.error("replica_exiting", replica=self._id, reason=why)
+        os._exit(REPLICA_EXIT_CODE)
 
     async def info(self, target: str | None = None) -> dict[str, Any]:
         info = self.sched.model.info
@@ -280,13 +292,18 @@ class SchedulerReplica:
                 self._sessions.popitem(last=False)
 
     async def replica_stats(self, target: str | None = None) -> dict[str, Any]:
+        sched = self.sched
+        stats = await sched.fetch_stats() if isinstance(sched, ChildScheduler) else sched.stats()
         return {"replica": self._id, "pid": os.getpid(),
+                "scheduler_pid": sched.pid if isinstance(sched, ChildScheduler) else os.getpid(),
                 "streams": {"open": self._open, "sending": self._sending, "feeds": self._feeds,
                             "feed_items": self._fed[0], "feed_requests": self._fed[1]},
-                "stats": msgspec.to_builtins(self.sched.stats())}
+                "stats": msgspec.to_builtins(stats)}
 
     async def prometheus(self, target: str | None = None) -> str:
-        return label_replica(self.sched.metrics_text(), self._id)
+        sched = self.sched
+        text = await sched.fetch_metrics() if isinstance(sched, ChildScheduler) else sched.metrics_text()
+        return label_replica(text, self._id)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What Serve hands our router every `[cluster] stats_period_s`."""

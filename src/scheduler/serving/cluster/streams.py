@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from scheduler import errors
+from scheduler.serving.cluster import REPLICA_FAILED
 from scheduler.serving.cluster.replica import unpack_chunks, unpack_feed
 from scheduler.types import Chunk
 
@@ -26,8 +27,6 @@ if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 log = structlog.get_logger("scheduler.cluster")
-REPLICA_FAILED = -1
-"""The request id of the error chunk that stands for a dead replica."""
 FEED_OPEN_TIMEOUT_S = 10.0
 """How long a new feed may take to reach its replica before that replica's requests fail."""
 STOPPING = "its frontend is stopping"
