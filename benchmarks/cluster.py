@@ -79,6 +79,7 @@ def config(args: argparse.Namespace, memory: int | str, routing: str = "cache-aw
                        max_batch=args.max_batch, cpus=args.cpus_per_replica, device=args.device,
                        gpus=args.gpus_per_replica, routing=routing,
                        frontends=f'"{frontends}"' if isinstance(frontends, str) else frontends)
+    text += "".join(f"{item}\n" for item in args.cluster)  # more [cluster] keys, TOML values
     return SchedulerConfig.from_toml(text)
 
 
@@ -488,6 +489,9 @@ def main() -> None:
     p.add_argument("--frontends", type=frontends_arg, nargs="+", default=["auto"],
                    help="(b) [cluster] frontends, counts or \"auto\" (the default: one per replica on "
                         "16 cores or more): each a deployment of its own, for 1 and 2 replicas")
+    p.add_argument("--cluster", action="append", default=[], metavar="KEY=VALUE",
+                   help="a [cluster] key for every deployment, its value in TOML (e.g. stream_feed=false, "
+                        "scheduler_process=true); repeatable")
     p.add_argument("--kill-requests", type=int, default=256)
     p.add_argument("--kill-concurrency", type=int, default=64)
     p.add_argument("--kill-after", type=float, default=3.0)

@@ -1,12 +1,14 @@
 """What the Ray path costs each of its processes: one replica behind Ray Serve (`ray_one.py`, the
-path of `serve --replicas N`), driven by `mlx-scheduler bench`, with `[cluster] stream_feed` on
-(a feed per frontend and replica, the default) and off (a Serve stream per request), interleaved.
-For each run: tokens/s, and the CPU seconds the replica, the frontend and Serve's proxy used.
+path of `serve --replicas N`), driven by `mlx-scheduler bench`, under each of `--variants` (sets of
+`[cluster]` keys; by default `stream_feed` on, a feed per frontend and replica, and off, a Serve
+stream per request), interleaved. For each run: tokens/s, and the CPU seconds the replica's actor,
+its scheduler process (`scheduler_process = true`; else 0), the frontend and Serve's proxy used.
 
     python benchmarks/ray_cpu.py --model synthetic:tiny --concurrency 256 --requests 1024 --repeat 2
+    python benchmarks/ray_cpu.py --variants scheduler_process=false scheduler_process=true
 
-Linux only (it reads /proc). Needs the cluster extra. Prints a table; `--out` writes JSON with the
-feed's ratios to the stream per request, round by round.
+Linux only (it reads /proc). Needs the cluster extra. Prints a table; `--out` writes JSON with
+each variant's ratios to the first, round by round.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from typing import Any
 import httpx
 
 PROCESSES = ("SchedulerReplica", "Frontend", "ProxyActor")
+CHILD = "scheduler.serving.cluster.child"
+KINDS = (*PROCESSES, "SchedulerProcess")
+"""The command line of a replica's scheduler process, reported as "SchedulerProcess"."""
 TOML = """[model]
 path = "{model}"
 [kvpool]
@@ -35,7 +40,7 @@ max_batch = {conc}
 [scheduler]
 max_queue = 4096
 [cluster]
-stream_feed = {feed}
+{cluster}
 """
 
 
@@ -50,6 +55,8 @@ def serve_processes() -> dict[str, int]:
         for name in PROCESSES:
             if name in cmd and "ray::" in cmd:
                 out[name] = int(pid)
+        if CHILD in cmd:
+            out["SchedulerProcess"] = int(pid)
     return out
 
 
@@ -74,14 +81,20 @@ def wait_healthy(url: str, timeout: float) -> None:
     raise SystemExit(f"the Ray path did not come up within {timeout:.0f} s")
 
 
-def one_run(args: argparse.Namespace, feed: bool, work: Path) -> dict[str, Any]:
+def cluster_keys(variant: str) -> str:
+    """"key=value,key=value" as the lines of a TOML table."""
+    return "\n".join(item.strip() for item in variant.split(",") if item.strip())
+
+
+def one_run(args: argparse.Namespace, variant: str, work: Path) -> dict[str, Any]:
     config = work / "scheduler.toml"
     config.write_text(TOML.format(model=args.model, memory=args.memory, conc=args.concurrency,
-                                  feed=str(feed).lower()))
+                                  cluster=cluster_keys(variant)))
+    tag = variant.replace("=", "-").replace(",", "_")
     here = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent / "src"), str(here.parent)]))
     url = f"http://127.0.0.1:{args.port}"
-    with (work / f"server-{feed}.log").open("w") as log:
+    with (work / f"server-{tag}.log").open("w") as log:
         server = subprocess.Popen([sys.executable, "-P", str(here / "ray_one.py"), "--config", str(config),
                                    "--port", str(args.port)], env=env, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
@@ -91,7 +104,7 @@ def one_run(args: argparse.Namespace, feed: bool, work: Path) -> dict[str, Any]:
         missing = set(PROCESSES) - set(pids)
         if missing:
             raise SystemExit(f"no process found for {sorted(missing)}")
-        report = work / f"bench-{feed}.json"
+        report = work / f"bench-{tag}.json"
         bench = [sys.executable, "-m", "scheduler.cli", "bench", "--url", url, "--model", args.model,
                  "--num-prompts", str(args.requests), "--input-len", str(args.prompt_tokens),
                  "--output-len", str(args.max_tokens), "--ignore-eos", "--concurrency", str(args.concurrency),
@@ -101,8 +114,9 @@ def one_run(args: argparse.Namespace, feed: bool, work: Path) -> dict[str, Any]:
         wall, after = time.monotonic() - started, cpu_seconds(pids)
         data = json.loads(report.read_text())
         data = data[0] if isinstance(data, list) else data
-        return {"feed": feed, "tok_s": float(data["output_throughput"]), "wall_s": round(wall, 2),
-                "cpu_s": {k: round(after[k] - before[k], 2) for k in PROCESSES}, "load": os.getloadavg()[0]}
+        return {"variant": variant, "tok_s": float(data["output_throughput"]), "wall_s": round(wall, 2),
+                "cpu_s": {k: round(after.get(k, 0.0) - before.get(k, 0.0), 2) for k in KINDS},
+                "load": os.getloadavg()[0]}
     finally:
         os.killpg(server.pid, signal.SIGINT)
         try:
@@ -120,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--memory", default="2GiB", help="[kvpool] memory of the replica")
-    ap.add_argument("--repeat", type=int, default=2, help="rounds, each running both kinds (order alternates)")
+    ap.add_argument("--variants", nargs="+", default=["stream_feed=true", "stream_feed=false"],
+                    help="[cluster] keys of each run, 'key=value,...'; ratios are to the first")
+    ap.add_argument("--repeat", type=int, default=2, help="rounds, each running every variant (order rotates)")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--start-timeout", type=float, default=240)
     ap.add_argument("--out", type=Path)
@@ -129,22 +145,23 @@ def main(argv: list[str] | None = None) -> None:
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeat):
-            runs: dict[bool, dict[str, Any]] = {}
-            for feed in (True, False) if r % 2 == 0 else (False, True):
-                runs[feed] = one_run(args, feed, Path(tmp))
-                row = runs[feed]
-                print(f"round {r + 1} {'feed' if feed else 'a stream per request':<22} {row['tok_s']:8.1f} tok/s  "
+            runs: dict[str, dict[str, Any]] = {}
+            order = args.variants[r % len(args.variants):] + args.variants[:r % len(args.variants)]
+            for variant in order:
+                runs[variant] = row = one_run(args, variant, Path(tmp))
+                print(f"round {r + 1} {variant:<32} {row['tok_s']:8.1f} tok/s  "
                       + "  ".join(f"{k} {v:6.2f} s" for k, v in row["cpu_s"].items())
                       + f"  load {row['load']:.1f}", flush=True)
                 time.sleep(3)  # Ray's processes gone before the next start
-            feed_row, per_row = runs[True], runs[False]
-            rounds.append({"feed": feed_row, "per_request": per_row,
-                           "tok_s_ratio": round(feed_row["tok_s"] / per_row["tok_s"], 3),
-                           "cpu_ratio": {k: round(feed_row["cpu_s"][k] / per_row["cpu_s"][k], 3)
-                                         for k in PROCESSES}})
+            base = runs[args.variants[0]]
+            rounds.append({"runs": [runs[v] for v in args.variants], "ratios": {
+                v: {"tok_s": round(runs[v]["tok_s"] / base["tok_s"], 3),
+                    "cpu_s_total": round(sum(runs[v]["cpu_s"].values()) / sum(base["cpu_s"].values()), 3)}
+                for v in args.variants[1:]}})
     for r, got in enumerate(rounds, 1):
-        print(f"round {r}: feed / a stream per request: tok/s x{got['tok_s_ratio']}, CPU s "
-              + ", ".join(f"{k} x{v}" for k, v in got["cpu_ratio"].items()))
+        for v, ratio in got["ratios"].items():
+            print(f"round {r}: {v} / {args.variants[0]}: tok/s x{ratio['tok_s']}, "
+                  f"CPU s of the four processes x{ratio['cpu_s_total']}")
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": load_before,
                "load_after": os.getloadavg(), "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     print(f"{machine['when']}  {machine['platform']}  nproc {machine['cpus']}  load avg before "

@@ -1,7 +1,8 @@
 """`serve --replicas 2` for real: two `Scheduler` replicas of synthetic:tiny on a local Ray
 (127.0.0.1, no dashboard), our router, one OpenAI-compatible port. One cluster for the module:
-Ray takes ~30 s to start on 2 cores. The killed-replica test runs late; the last two redeploy
-the application with two frontends, then drain it."""
+Ray takes ~30 s to start on 2 cores. The killed-replica test runs late; the last three redeploy
+the application with two frontends and each scheduler in a process of its own, kill one of those,
+then drain it."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _config(model_cache: Path, frontends: int = 1, feed: bool = True, child: bool = True) -> SchedulerConfig:
+def _config(model_cache: Path, frontends: int = 1, feed: bool = True, child: bool = False) -> SchedulerConfig:
     return SchedulerConfig.from_toml(TOML.format(cache=model_cache, frontends=frontends, feed=str(feed).lower(),
                                                  child=str(child).lower()))
 
@@ -342,6 +343,7 @@ def test_health_and_metrics_cover_every_replica(cluster: str) -> None:
         time.sleep(0.2)
     assert sum(body["in_flight"].values()) <= len(replicas) and set(body["in_flight"]) <= {r["replica"] for r in replicas}
     assert len(replicas) == 2 and all(r["stats"]["blocks_total"] > 0 for r in replicas)
+    assert all(r["scheduler_pid"] == r["pid"] for r in replicas)  # by default, in the actor's process
     assert body["unreachable"] == []
     assert sum(r["stats"]["finished"] for r in replicas) > 0
     text = httpx.get(f"{cluster}/metrics", timeout=30).text
@@ -434,32 +436,6 @@ def test_a_killed_replica_ends_its_requests_and_is_replaced(cluster: str) -> Non
     assert by_replica[newcomer] > 0, by_replica
 
 
-def test_a_replica_whose_scheduler_process_dies_ends_its_requests_and_is_replaced(cluster: str) -> None:
-    before = {r["replica"]: r for r in health(cluster)["replicas"]}
-    assert all(r["scheduler_pid"] != r["pid"] for r in before.values())  # a process of its own
-    body = {"prompt": "tell me everything again", "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{cluster}/v1/completions", json=body, timeout=60) as reply:
-        victim = reply.headers["x-replica"]
-        lines = reply.iter_lines()
-        assert next(line for line in lines if line.startswith("data:"))
-        os.kill(before[victim]["scheduler_pid"], signal.SIGKILL)
-        rest = [line for line in lines if line.startswith("data:")]
-    error = msgspec.json.decode(rest[-2][5:])["error"]
-    assert error["code"] == "replica_failed" and victim in error["message"], error
-    assert rest[-1] == "data: [DONE]"
-    # Its health check fails, and Serve replaces it; the other replica serves meanwhile.
-    survivor = complete(cluster, prompt="while one replica is replaced")
-    assert survivor.status_code == 200, survivor.text
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        now = {r["replica"]: r for r in health(cluster)["replicas"]}
-        if len(now) == 2 and victim not in now:
-            break
-        time.sleep(1)
-    assert len(now) == 2 and victim not in now, now
-    assert all(r["scheduler_pid"] != r["pid"] for r in now.values())
-
-
 def test_a_killed_frontend_cancels_what_it_was_streaming_and_is_replaced(cluster: str) -> None:
     """Its requests' calls and feeds die with it: the replicas cancel those requests (their rows
     and blocks come back), the clients' connections end, and Serve's new frontend serves."""
@@ -514,9 +490,9 @@ def test_two_frontends_share_the_work_and_what_each_routed(cluster: str, model_c
     one replica whichever frontend takes them (each router learns the sessions the other routed
     from the replicas' reports). The turns share no prefix, so only the session keeps them.
     This deployment takes the other paths: each request streamed on its own (`stream_feed =
-    false`), and each replica's scheduler in the actor's process (`scheduler_process = false`)."""
-    deploy(_config(model_cache, frontends=2, feed=False, child=False), 2)
-    assert all(r["scheduler_pid"] == r["pid"] for r in health(cluster)["replicas"])
+    false`), and each replica's scheduler in a child process of its own (`scheduler_process`)."""
+    deploy(_config(model_cache, frontends=2, feed=False, child=True), 2)
+    assert all(r["scheduler_pid"] != r["pid"] for r in health(cluster)["replicas"])
     assert len({health(cluster)["frontend"] for _ in range(24)}) == 2
     assert health(cluster)["feeds"] is None
     bodies = [{"prompt": f"unfed {i}", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
@@ -540,6 +516,32 @@ def test_two_frontends_share_the_work_and_what_each_routed(cluster: str, model_c
         turns = list(pool.map(converse, range(6)))
     assert all(len(set(seen)) == 1 for seen in turns), turns
     assert len({seen[0] for seen in turns}) == 2, turns  # and the sessions spread over both
+
+
+def test_a_replica_whose_scheduler_process_dies_ends_its_requests_and_is_replaced(cluster: str) -> None:
+    before = {r["replica"]: r for r in health(cluster)["replicas"]}
+    assert all(r["scheduler_pid"] != r["pid"] for r in before.values())  # a process of its own
+    body = {"prompt": "tell me everything again", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{cluster}/v1/completions", json=body, timeout=60) as reply:
+        victim = reply.headers["x-replica"]
+        lines = reply.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        os.kill(before[victim]["scheduler_pid"], signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data:")]
+    error = msgspec.json.decode(rest[-2][5:])["error"]
+    assert error["code"] == "replica_failed" and victim in error["message"], error
+    assert rest[-1] == "data: [DONE]"
+    # Its health check fails, and Serve replaces it; the other replica serves meanwhile.
+    survivor = complete(cluster, prompt="while one replica is replaced")
+    assert survivor.status_code == 200, survivor.text
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        now = {r["replica"]: r for r in health(cluster)["replicas"]}
+        if len(now) == 2 and victim not in now:
+            break
+        time.sleep(1)
+    assert len(now) == 2 and victim not in now, now
+    assert all(r["scheduler_pid"] != r["pid"] for r in now.values())
 
 
 def test_draining_reaches_every_frontend(cluster: str) -> None:

@@ -243,7 +243,7 @@ class ClusterSection(_Section):
     """Each replica sends a frontend the chunks of all its requests in one stream, an item per
     step (measured: fewer items through Ray in the replica's process, where they share the GIL
     with the worker thread). False: a stream per request, each item one request's chunks."""
-    scheduler_process: bool = True
+    scheduler_process: bool = False
     """Each replica runs its scheduler (event loop and worker thread) in a child process of its Ray
     actor, so that the thread building each step shares its GIL with the scheduler's loop alone,
     not with Serve's per-call and per-item machinery in the actor; one local socket carries the
