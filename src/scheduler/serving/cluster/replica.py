@@ -1,5 +1,6 @@
 """One scheduler replica: the body of the Serve deployment that owns one `Scheduler` in its own
-Ray actor process. Imports no Ray at module level; `cluster.app` wraps it with `serve.deployment`.
+Ray actor process, or with `[cluster] scheduler_process` in a child process of it
+(`ChildScheduler`). Imports no Ray at module level; `cluster.app` wraps it with `serve.deployment`.
 
 `generate` streams tuples, so the frontend learns which replica serves before the first token:
 ("replica", id) first. Then, by default (`[cluster] stream_feed`), nothing more: the request's
