@@ -224,3 +224,17 @@ def test_the_router_loads_neither_the_scheduler_nor_mlx() -> None:
     # ...and it still reads a job's session and block keys, without its class.
     read = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert read.stdout.split() == ["s", "(7,", "8)"], read.stdout
+
+
+def test_the_actor_side_loads_no_mlx() -> None:
+    """A replica's actor with its scheduler in a child process (`[cluster] scheduler_process`)
+    imports the replica and `ChildScheduler`, and reads requests (a grammar's text included):
+    none of it may load MLX, which on CUDA opens a context on the GPU."""
+    code = ("import sys\n"
+            "import scheduler.serving.cluster.replica, scheduler.serving.cluster.remote\n"
+            "from scheduler.request import Request\n"
+            "from scheduler.params import SamplingParams\n"
+            "assert Request(prompt=[1, 2], params=SamplingParams(json_schema={'type': 'object'})).params.grammar_text\n"
+            "print(sorted(m for m in ('mlx.core', 'mlx_lm') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

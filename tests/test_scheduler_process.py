@@ -150,3 +150,4 @@ async def test_a_model_it_cannot_load_is_named(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="nothing-here"):
         async with ChildScheduler(config):
             pass
+

@@ -24,8 +24,8 @@ from workers.batching.grammar import (
     GrammarRows,
     GrammarTokenizer,
     grammar_tokenizer,
-    json_schema_grammar,
 )
+from workers.batching.grammar_text import json_schema_grammar
 from workers.loading.named import DEFAULT_MODEL
 
 pytestmark = pytest.mark.anyio

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from scheduler.errors import InvalidRequest
-from workers.batching.grammar import grammar_problem, json_schema_grammar, lark_grammar
+from workers.batching.grammar_text import grammar_problem, json_schema_grammar, lark_grammar
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256

@@ -22,7 +22,7 @@ import structlog
 
 from scheduler.chat.split import Markers, split_all
 from scheduler.errors import InvalidRequest
-from workers.batching.grammar import JSON_DEFAULTS, grammar_problem, lark_grammar, schema_text
+from workers.batching.grammar_text import JSON_DEFAULTS, grammar_problem, lark_grammar, schema_text
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from workers.loading import synthetic
 from workers.loading.cachedir import ModelSourceError
 from workers.loading.named import NAMED_MODELS, named_gguf
 
@@ -110,6 +109,9 @@ def resolve_model(path: str, cache_dir: str | os.PathLike[str] | None = None) ->
     """
     parsed = parse_synthetic(path)
     if parsed is not None:
+        # It builds with MLX: a process that only reads ModelInfo loads none.
+        from workers.loading import synthetic
+
         size, seed = parsed
         if size not in synthetic.SIZES:
             known = ", ".join(SYNTHETIC_PREFIX + s for s in synthetic.SIZES)

@@ -29,7 +29,6 @@ import anyio
 import msgspec
 import structlog
 
-from scheduler.api import Scheduler
 from scheduler.errors import SchedulerError
 from scheduler.request import Request  # noqa: TC001 - msgspec needs it at runtime
 from scheduler.serving.cluster.prom import label_replica
@@ -40,6 +39,7 @@ from scheduler.types import Chunk
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from scheduler.api import Scheduler
     from scheduler.config import SchedulerConfig
     from scheduler.streaming.stream import RequestStream
 
@@ -159,7 +159,12 @@ class SchedulerReplica:
     async def _own(self) -> None:
         try:
             config, in_child = self._config, self._config.cluster.scheduler_process
-            opened = ChildScheduler(config, self._scheduler_died) if in_child else Scheduler(config)
+            if in_child:  # this process then loads no MLX (on CUDA, a context on its GPU)
+                opened: Scheduler | ChildScheduler = ChildScheduler(config, self._scheduler_died)
+            else:
+                from scheduler.api import Scheduler
+
+                opened = Scheduler(config)
             async with opened as sched:
                 self._sched = sched
                 if self._config.server.freeze_heap and not in_child:  # a replica's process is ours alone
