@@ -308,6 +308,7 @@ async def test_an_outbox_reads_the_streams_it_follows_once_a_step_and_lets_each_
     assert [c.finish_reason for c in item.chunks[7]] == ["length"] and 8 not in item.chunks
     await asyncio.wait_for(asyncio.gather(*followers), 1)  # both let go: ended, and all taken
     assert a.ended and b.ended and cancelled == []
+    assert a.complete and not b.complete  # ran to its end; cut short (what the scheduler process reports)
     with pytest.raises(StopAsyncIteration):
         await a.__anext__()
     with pytest.raises(SchedulerClosed):  # what the replica then refuses the request with

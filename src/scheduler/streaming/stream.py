@@ -133,6 +133,12 @@ class RequestStream:
         self._recv.listen(listener)
 
     @property
+    def complete(self) -> bool:
+        """Every choice's final chunk was taken: the request ran to its end (rather than its
+        channel closing first, or the stream being left)."""
+        return self._finals_left == 0
+
+    @property
     def ended(self) -> bool:
         """No chunk will come: every choice's final chunk was taken, or the stream closed (the
         next `__anext__` says how)."""

@@ -46,8 +46,8 @@ class _Child:
         self.link = link
         self.starting: dict[int, anyio.CancelScope] = {}
         """Requests waiting for their first chunk, each in a task of its own."""
-        self.following: dict[int, tuple[RequestStream, list[int]]] = {}
-        """Requests past their first chunk, and the final chunks each still owes."""
+        self.following: dict[int, RequestStream] = {}
+        """Requests past their first chunk."""
         self.chunks: dict[int, list[Chunk]] = {}
         self.ended: list[int] = []
         self.errors: dict[int, tuple[str, str]] = {}
@@ -100,9 +100,8 @@ class _Child:
                 return
             finally:
                 self.starting.pop(m.cid, None)
-            owed = [m.request.params.n]
-            self.following[m.cid] = (stream, owed)
-            self._took(m.cid, [first], owed)
+            self.following[m.cid] = stream
+            self._took(m.cid, [first])
             stream.listen(self._wake)
             self._wake()
 
@@ -110,18 +109,17 @@ class _Child:
         scope = self.starting.pop(cid, None)
         if scope is not None:
             scope.cancel()  # the stream cancels the request as its task leaves
-        held = self.following.pop(cid, None)
-        if held is not None:
-            await held[0].aclose()
+        stream = self.following.pop(cid, None)
+        if stream is not None:
+            await stream.aclose()
         self.chunks.pop(cid, None)
 
-    def _took(self, cid: int, chunks: list[Chunk], owed: list[int]) -> None:
+    def _took(self, cid: int, chunks: list[Chunk]) -> None:
         held = self.chunks.get(cid)
         if held is None:
             self.chunks[cid] = chunks
         else:
             held += chunks
-        owed[0] -= sum(c.finish_reason is not None for c in chunks)
 
     def _reply(self, msg: msgspec.Struct) -> None:
         self.replies.append(msg)
@@ -132,17 +130,16 @@ class _Child:
 
     def _collect(self) -> list[msgspec.Struct]:
         done: list[int] = []
-        for cid, (stream, owed) in self.following.items():
+        for cid, stream in self.following.items():
             if got := stream.ready():
-                self._took(cid, got, owed)
+                self._took(cid, got)
             if stream.ended:
                 done.append(cid)
         for cid in done:
-            _, owed = self.following.pop(cid)
-            if owed[0] > 0:  # its channel closed before every final chunk: the scheduler stopped
-                self.errors[cid] = STOPPED
-            else:
+            if self.following.pop(cid).complete:
                 self.ended.append(cid)
+            else:  # its channel closed before every final chunk: the scheduler stopped
+                self.errors[cid] = STOPPED
         # Chunks first: a stream cut short ends after the chunks it had.
         frames: list[msgspec.Struct] = []
         if self.chunks or self.ended or self.errors:

@@ -167,7 +167,7 @@ class SchedulerReplica:
                 opened = Scheduler(config)
             async with opened as sched:
                 self._sched = sched
-                if self._config.server.freeze_heap and not in_child:  # a replica's process is ours alone
+                if config.server.freeze_heap and not in_child:  # a replica's process is ours alone
                     freeze_startup_heap()
                 self._ready.set()
                 await self._stop.wait()
