@@ -72,6 +72,16 @@ frontends = {frontends}
 """
 
 
+LISTEN: list[tuple[str, int]] = []
+"""The frontends' own port (`[cluster] ingress = "direct"`), chosen once for the run."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def config(args: argparse.Namespace, memory: int | str, routing: str = "cache-aware",
            frontends: int | str = 1) -> SchedulerConfig:
     mem = f'"{memory}"' if isinstance(memory, str) else str(memory)
@@ -203,7 +213,7 @@ async def part_a(args: argparse.Namespace, url: str, facts: tuple[int, int, int]
     variants = [("ours", 2, "cache-aware"), ("power-of-two", 2, "power-of-two"), ("one replica", 1, "cache-aware")]
     for name, replicas, routing in variants:
         cfg = config(args, memory, routing)
-        await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster))
+        await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster), listen=LISTEN[0])
         async with http_client(url, 300) as client:
             for ratio in args.ratios:
                 rng = random.Random(hash((ratio, 7)))  # the same prompts for every variant
@@ -316,7 +326,7 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
     conns: list[int] = args.connections
     for replicas, frontends in [(r, f) for r in (1, 2) for f in args.frontends]:
         cfg = config(args, args.tp_memory, frontends=frontends)
-        await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster))
+        await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster), listen=LISTEN[0])
         rounds: dict[int, list[float]] = {c: [] for c in conns}
         ttfts: dict[int, list[float]] = {c: [] for c in conns}
         split: collections.Counter[str] = collections.Counter()
@@ -400,7 +410,7 @@ async def part_c(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
     prompts = random_prompts(rng, args.kill_requests + 32, args.tp_prompt_tokens, vocab)
     prompts, checks = prompts[:-32], prompts[-32:]
     cfg = config(args, args.tp_memory)
-    await asyncio.to_thread(deploy, cfg, 2, device=pick_device(cfg.cluster))
+    await asyncio.to_thread(deploy, cfg, 2, device=pick_device(cfg.cluster), listen=LISTEN[0])
     async with http_client(url, 600) as client:
         await run_all(client, prompts[:4], 4, 4)  # warm-up
         before = {r["replica"]: r["pid"] for r in (await health(client))["replicas"]}
@@ -507,14 +517,15 @@ def main() -> None:
     from ray import serve
 
     facts = anyio.run(model_facts, args)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port, own = free_port(), free_port()
+    LISTEN[:] = [("127.0.0.1", own)]
     start_ray(config(args, "1GiB"), 2, log_to_driver=False)
     rows: list[dict[str, Any]] = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        url = f"http://127.0.0.1:{port}"
+        # With `--cluster ingress=direct` the frontends serve a port of their own (Serve's proxy
+        # serves the application too): the clients go there.
+        url = f"http://127.0.0.1:{own if config(args, '1GiB').cluster.ingress == 'direct' else port}"
         if "a" in args.parts:
             print(f"(a) prefix routing: {args.pool_blocks}-block pools, {args.prefix_tokens}-token prefixes, "
                   f"{args.requests} requests at concurrency {args.concurrency}", flush=True)

@@ -71,6 +71,12 @@ def _config(model_cache: Path, frontends: int = 1, feed: bool = True, child: boo
                                                  child=str(child).lower()))
 
 
+URLS: dict[str, str] = {}
+"""The deployment's two doors: the frontends' own port ("direct", `ingress = "direct"`, the
+default) and Serve's proxy ("proxy"). Both serve at once here, since this module's Serve runs
+its proxy; the tests go through the default one unless they name the other."""
+
+
 @pytest.fixture(scope="module")
 def cluster(model_cache: Path) -> Iterator[str]:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -78,12 +84,13 @@ def cluster(model_cache: Path) -> Iterator[str]:
     from workers.loading.models import resolve_model
 
     resolve_model(config.model.path, config.model.cache_dir)
-    port = _free_port()
+    port, own = _free_port(), _free_port()
     start_ray(config, 2, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        deploy(config, 2)
-        yield f"http://127.0.0.1:{port}"
+        deploy(config, 2, listen=("127.0.0.1", own))
+        URLS.update(proxy=f"http://127.0.0.1:{port}", direct=f"http://127.0.0.1:{own}")
+        yield URLS[config.cluster.ingress]
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -119,6 +126,27 @@ def test_streaming_through_the_official_client(cluster: str) -> None:
     assert deltas[-1].choices[0].finish_reason == "length"
     raw = client.completions.with_raw_response.create(model="m", prompt="x y z", max_tokens=2)
     assert raw.headers["x-replica"] in {r["replica"] for r in health(cluster)["replicas"]}
+
+
+def test_the_frontends_own_port_serves_as_the_proxy_does(cluster: str) -> None:
+    """`ingress = "direct"`: each frontend serves HTTP on the port itself. The same answers as
+    through Serve's proxy, token for token, and the same errors."""
+    direct = URLS["direct"]
+    assert health(direct)["ingress"] == "direct"
+    assert {r["replica"] for r in health(direct)["replicas"]} == {r["replica"] for r in health(cluster)["replicas"]}
+    client = openai.OpenAI(base_url=f"{direct}/v1", api_key="none", max_retries=0)
+    ask = {"model": "synthetic:tiny", "prompt": "Down the road", "max_tokens": 12, "temperature": 0,
+           "extra_body": {"ignore_eos": True}}
+    raw = client.completions.with_raw_response.create(**ask, stream=True)
+    parts = list(raw.parse())
+    assert raw.headers["x-replica"] in {r["replica"] for r in health(direct)["replicas"]}
+    assert parts[-1].choices[0].finish_reason == "length"
+    proxied = openai.OpenAI(base_url=f"{cluster}/v1", api_key="none", max_retries=0).completions.create(**ask)
+    assert "".join(p.choices[0].text for p in parts) == proxied.choices[0].text
+    for url in (direct, cluster):
+        bad = complete(url, prompt="hello", temperature=-1)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+    assert httpx.get(f"{direct}/v1/nope", timeout=30).status_code == 401  # guarded, as every path not open
 
 
 def test_bad_input_gets_the_single_process_errors(cluster: str) -> None:
@@ -311,10 +339,11 @@ def test_a_replica_feeds_its_frontend_every_requests_chunks_in_one_item_a_step(c
     assert (carried - carried0) / (items - items0) > 2, (items - items0, carried - carried0)
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_row_at_once(cluster: str) -> None:
+@pytest.mark.parametrize("door", ["proxy", "direct"])
+def test_a_client_that_leaves_mid_stream_frees_its_row_at_once(cluster: str, door: str) -> None:
     before = sum(r["stats"]["generated_tokens"] for r in health(cluster)["replicas"])
     body = {"prompt": "a long answer nobody reads", "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{cluster}/v1/completions", json=body, timeout=60) as reply:
+    with httpx.stream("POST", f"{URLS[door]}/v1/completions", json=body, timeout=60) as reply:
         victim = reply.headers["x-replica"]
         lines = reply.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
@@ -491,9 +520,14 @@ def test_two_frontends_share_the_work_and_what_each_routed(cluster: str, model_c
     from the replicas' reports). The turns share no prefix, so only the session keeps them.
     This deployment takes the other paths: each request streamed on its own (`stream_feed =
     false`), and each replica's scheduler in a child process of its own (`scheduler_process`)."""
-    deploy(_config(model_cache, frontends=2, feed=False, child=True), 2)
+    own = _free_port()  # the port of the deployment it replaces may be held a moment longer
+    deploy(_config(model_cache, frontends=2, feed=False, child=True), 2, listen=("127.0.0.1", own))
+    URLS["direct"] = cluster = f"http://127.0.0.1:{own}"
     assert all(r["scheduler_pid"] != r["pid"] for r in health(cluster)["replicas"])
-    assert len({health(cluster)["frontend"] for _ in range(24)}) == 2
+    # Both frontends listen on the one port, each new connection going to either; Serve's proxy
+    # spreads its requests over both too.
+    for url in URLS.values():
+        assert len({health(url)["frontend"] for _ in range(24)}) == 2, url
     assert health(cluster)["feeds"] is None
     bodies = [{"prompt": f"unfed {i}", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
                "stream_options": {"include_usage": True}} for i in range(6)]
@@ -519,6 +553,7 @@ def test_two_frontends_share_the_work_and_what_each_routed(cluster: str, model_c
 
 
 def test_a_replica_whose_scheduler_process_dies_ends_its_requests_and_is_replaced(cluster: str) -> None:
+    cluster = URLS["direct"]  # the two-frontend deployment's port
     before = {r["replica"]: r for r in health(cluster)["replicas"]}
     assert all(r["scheduler_pid"] != r["pid"] for r in before.values())  # a process of its own
     body = {"prompt": "tell me everything again", "max_tokens": 1500, "ignore_eos": True, "stream": True}
@@ -547,6 +582,6 @@ def test_a_replica_whose_scheduler_process_dies_ends_its_requests_and_is_replace
 def test_draining_reaches_every_frontend(cluster: str) -> None:
     handle = serve.get_app_handle(APP_NAME)
     assert drain(handle, 2, 5.0) == 0
-    replies = [complete(cluster, prompt=f"too late {i}") for i in range(12)]
+    replies = [complete(url, prompt=f"too late {i}") for i in range(6) for url in URLS.values()]
     assert all(r.status_code == 503 and r.json()["error"]["code"] == "shutting_down" for r in replies), \
         [r.status_code for r in replies]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -210,9 +211,15 @@ class ClusterSection(_Section):
     """Scheduler replicas, each in its own Ray actor process owning one device. 1: one process."""
     frontends: PositiveInt | Literal["auto"] = "auto"
     """Frontend processes (with `replicas` > 1): each parses, tokenizes, routes and streams the
-    requests Serve's proxy hands it, and one tops out near a core of streamed items. "auto": one
+    requests it takes (see `ingress`), and one tops out near a core of streamed items. "auto": one
     per replica on a host of 16 cores or more (one per 8 cores at most), else 1; each one loads
     MLX, which on CUDA takes about 0.5 GiB on every visible GPU."""
+    ingress: Literal["direct", "proxy"] = "direct"
+    """Where clients connect. "direct": each frontend serves HTTP on the port itself (several on
+    one host share it: Linux spreads the connections; elsewhere one frontend), on the node of the
+    process that starts the cluster, and Serve starts no proxy. "proxy": Serve's HTTP proxy on
+    the port hands each request to a frontend and carries each of its events back, paced by
+    `stream_messages_per_s` (measured: fewer requests and tokens a second, burstier streams)."""
     address: str | None = None
     """A Ray cluster to join ("auto", "ray://host:10001"); None starts a local one on 127.0.0.1."""
     device: Literal["auto", "cpu", "cuda", "mlx"] = "auto"
@@ -251,16 +258,19 @@ class ClusterSection(_Section):
     stream_messages_per_s: PositiveFloat = 640.0
     """A budget of streamed messages a second, shared by the streams that are sending (past their
     first token; a queued request sends nothing): each message costs per message, not per token.
-    With `stream_feed`, each frontend's events to Serve's proxy (times the replicas per
-    frontend), and each replica's feed items; without it, a replica's items, which cross Ray
-    twice (to the frontend, then the proxy). Below the budget every step's tokens go as they
-    come; above it a stream's tokens wait to go together, up to `stream_interval_s`."""
+    With `stream_feed`, each replica's feed items, and with `ingress = "proxy"` each frontend's
+    events to Serve's proxy (times the replicas per frontend); without it, a replica's items,
+    which cross Ray to the frontend (and with the proxy, once more). Below the budget every
+    step's tokens go as they come; above it a stream's tokens wait to go together, up to
+    `stream_interval_s`."""
     stream_interval_s: NonNegativeFloat = 0.25
     """The longest a stream's tokens wait for one another (the first text and the end go at once).
     0: every step's tokens as they come, whatever the load."""
 
     def frontend_count(self, replicas: int) -> int:
         """The frontend processes `replicas` replicas get: `frontends`, with "auto" resolved."""
+        if self.ingress == "direct" and not sys.platform.startswith("linux"):
+            return 1  # only Linux's SO_REUSEPORT spreads one port's connections over processes
         if self.frontends != "auto":
             return self.frontends
         return max(1, min(replicas, (os.cpu_count() or 1) // CORES_PER_AUTO_FRONTEND))

@@ -11,6 +11,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import structlog
 
 from scheduler.serving.cluster import FRONTENDS, GRPC_ENV, REPLICAS
@@ -46,7 +47,8 @@ def pick_device(section: ClusterSection) -> str:
 
 
 def build(config: SchedulerConfig, replicas: int, model_name: str | None = None,
-          device: str = "cpu") -> Application:
+          device: str = "cpu", listen: tuple[str, int] | None = None) -> Application:
+    """The application; with `[cluster] ingress = "direct"` its frontends serve HTTP on `listen`."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -77,21 +79,47 @@ def build(config: SchedulerConfig, replicas: int, model_name: str | None = None,
         health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
     ).bind(config)
     count = c.frontend_count(replicas)
+    direct = c.ingress == "direct"
+    if direct and listen is None:
+        raise ValueError('[cluster] ingress = "direct": the frontends need the host and port to listen on')
     frontend = serve.deployment(Frontend).options(
         name=FRONTENDS, num_replicas=count,
-        max_ongoing_requests=c.max_ongoing_requests * replicas, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=c.max_ongoing_requests * replicas,
+        ray_actor_options={"num_cpus": 0, **({"resources": here()} if direct else {})},
         request_router_config=frontends,
     )
     # A frontend streams for its share of the replicas: their budget of messages comes with them.
-    return frontend.bind(backend, config, model_name, c.stream_messages_per_s * max(1.0, replicas / count))
+    return frontend.bind(backend, config, model_name, c.stream_messages_per_s * max(1.0, replicas / count),
+                         listen if direct else None)
+
+
+def here() -> dict[str, float]:
+    """A sliver of this node's own resource: the frontends that serve the port run on this node."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    address = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node)
+    return {f"node:{address}": 0.001}
+
+
+def start_serve(config: SchedulerConfig, host: str, port: int) -> None:
+    """Serve, with its HTTP proxy on `host:port`, or no proxy where the frontends serve the port."""
+    from ray import serve
+
+    if config.cluster.ingress == "direct":
+        serve.start(proxy_location="Disabled")
+    else:
+        serve.start(http_options={"host": host, "port": port})
 
 
 def deploy(config: SchedulerConfig, replicas: int, model_name: str | None = None,
-           device: str = "cpu", timeout: float = 300) -> Any:
-    """Run the application and wait until its frontend serves: its handle."""
+           device: str = "cpu", timeout: float = 300, listen: tuple[str, int] | None = None) -> Any:
+    """Run the application and wait until its frontend serves: its handle. `listen`: the port
+    the frontends serve with `[cluster] ingress = "direct"` (Serve's proxy's is `start_serve`'s)."""
     from ray import serve
 
-    handle = serve.run(build(config, replicas, model_name, device), name=APP_NAME, route_prefix="/")
+    app = build(config, replicas, model_name, device, listen)
+    handle = serve.run(app, name=APP_NAME, route_prefix="/")
     deadline = time.monotonic() + timeout
     for frontend in frontend_ids(handle, config.cluster.frontend_count(replicas), timeout):
         handle.ready.remote(target=frontend).result(timeout_s=max(1.0, deadline - time.monotonic()))
@@ -157,11 +185,15 @@ def run(config: SchedulerConfig, replicas: int, host: str, port: int, model_name
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        serve.start(http_options={"host": host, "port": port})
+        start_serve(config, host, port)
+        wanted = msgspec.structs.replace(config.cluster, ingress="proxy").frontend_count(replicas)
+        if wanted > config.cluster.frontend_count(replicas):
+            log.warning("cluster_one_frontend", wanted=wanted, platform=sys.platform,
+                        reason="several processes share one port's connections only on Linux")
         device = pick_device(config.cluster)
-        handle = deploy(config, replicas, model_name, device)
+        handle = deploy(config, replicas, model_name, device, listen=(host, port))
         log.info("cluster_serving", replicas=replicas, frontends=config.cluster.frontend_count(replicas),
-                 device=device, url=f"http://{host}:{port}")
+                 device=device, url=f"http://{host}:{port}", ingress=config.cluster.ingress)
         stop.wait()
         left = drain(handle, config.cluster.frontend_count(replicas), shutdown_timeout)
         log.info("cluster_drained", unfinished=left)

@@ -18,6 +18,7 @@ from scheduler import errors
 from scheduler.admission.kvplan import prompt_keys
 from scheduler.request import chat_template_ids
 from scheduler.serving.cluster import REPLICA_FAILED, grpc_by_default
+from scheduler.serving.cluster.ingress import DirectIngress
 from scheduler.serving.cluster.replica import Job, replica_id
 from scheduler.serving.cluster.reports import ReplicaReports
 from scheduler.serving.cluster.streams import Feeds, FeedStream, RemoteStream
@@ -79,9 +80,10 @@ class Frontend:
     `cluster.app` reaches every frontend through our router."""
 
     def __init__(self, backend: DeploymentHandle, config: SchedulerConfig, model_name: str | None,
-                 messages_per_s: float | None = None) -> None:
+                 messages_per_s: float | None = None, listen: tuple[str, int] | None = None) -> None:
         """`messages_per_s`: this frontend's budget of streamed events a second to Serve's proxy
-        (default `[cluster] stream_messages_per_s`)."""
+        (default `[cluster] stream_messages_per_s`). `listen`: serve HTTP on this host and port
+        too (`[cluster] ingress = "direct"`), where events go as they come, unpaced."""
         self._backend = backend
         self._id = replica_id()
         self._reports = ReplicaReports(backend, self._id)
@@ -109,6 +111,7 @@ class Frontend:
         # Up at once, answering 503 until the tokenizer and a replica are ready: no refused or
         # hanging connections while the replicas load the model.
         self._ready = asyncio.get_running_loop().create_task(self._start(config, model_name))
+        self._ingress = None if listen is None else DirectIngress(self.__call__, config.server, *listen)
 
     async def _start(self, config: SchedulerConfig, model_name: str | None) -> None:
         from mlx_lm.utils import load_tokenizer
@@ -134,6 +137,8 @@ class Frontend:
         """Serve's health check: a frontend that failed to start is restarted."""
         if self._ready.done() and self._ready.exception() is not None:
             raise RuntimeError(f"the frontend failed to start: {self._ready.exception()!r}")
+        if self._ingress is not None and self._ingress.failure is not None:
+            raise RuntimeError(f"the frontend's HTTP server failed: {self._ingress.failure!r}")
 
     async def close(self, target: str | None = None) -> int:
         """503 for new requests from now: how many are in flight."""
@@ -250,7 +255,7 @@ class Frontend:
         n = job.request.params.n
         stream: FeedStream | RemoteStream
         if self._feeds is not None:
-            stream = self._feeds.open(n, paced=streaming)
+            stream = self._feeds.open(n, paced=streaming and self._ingress is None)
             try:
                 fed = msgspec.structs.replace(job, feed=(self._id, stream.key))
                 gen, replica = await self._send(rid, fed)
@@ -323,7 +328,8 @@ class Frontend:
 
     async def _health(self, request: Request, rid: str) -> Response:
         feeds = self._feeds.stats() if self._feeds is not None else None
-        return await self._reports.health(self._model_name, feeds)
+        ingress = "proxy" if self._ingress is None else "direct"
+        return await self._reports.health(self._model_name, feeds, ingress)
 
     async def _metrics(self, request: Request, rid: str) -> Response:
         return await self._reports.metrics()

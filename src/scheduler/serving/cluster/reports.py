@@ -53,15 +53,17 @@ class ReplicaReports:
                 unreachable.append(i)
         return out, unreachable
 
-    async def health(self, model_name: str, feeds: dict[str, Any] | None = None) -> Response:
-        """`feeds`: the answering frontend's streams (`Feeds.stats`), when it reads feeds."""
+    async def health(self, model_name: str, feeds: dict[str, Any] | None = None,
+                     ingress: str = "proxy") -> Response:
+        """`feeds`: the answering frontend's streams (`Feeds.stats`), when it reads feeds;
+        `ingress`: "direct" where the frontends serve the port themselves, else "proxy"."""
         answers, unreachable = await self.fan_out("replica_stats")
         replicas = [r for r in answers if isinstance(r, dict)]
         router = self._router()
         # With several frontends, the routing counts are those of the one that answers.
         body = {"status": "ok" if replicas else "starting", "model": model_name,
                 "replicas": replicas, "unreachable": unreachable, "frontend": self._frontend,
-                "frontend_pid": os.getpid(),
+                "frontend_pid": os.getpid(), "ingress": ingress,
                 "routing": dict(router.reasons) if router else {},
                 "in_flight": dict(router.inflight) if router else {}, "feeds": feeds}
         return Response(msgspec.json.encode(body), 200 if replicas else 503,

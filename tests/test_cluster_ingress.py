@@ -1,0 +1,99 @@
+"""A frontend's own HTTP port (`[cluster] ingress = "direct"`, `cluster.ingress`): a real uvicorn
+on a real socket, without Ray. The frontend behind it is `test_cluster.py`'s."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+
+pytest.importorskip("uvicorn", reason="the server extra")
+
+from starlette.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
+
+from scheduler.config import SchedulerConfig, ServerSection  # noqa: E402
+from scheduler.errors import ConfigError  # noqa: E402
+from scheduler.serving.cluster.ingress import DirectIngress, shared_socket  # noqa: E402
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT spreads connections on Linux")
+def test_the_frontends_of_a_host_bind_one_port_and_a_port_taken_otherwise_is_named() -> None:
+    port = _free_port()
+    first, second = shared_socket("127.0.0.1", port), shared_socket("127.0.0.1", port)
+    try:
+        assert first.getsockname() == second.getsockname() == ("127.0.0.1", port)
+    finally:
+        first.close()
+        second.close()
+    with socket.socket() as taken:  # a process that did not ask to share it
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        with pytest.raises(OSError, match=f"the frontend cannot listen on 127.0.0.1:{port}"):
+            shared_socket("127.0.0.1", port)
+
+
+def test_the_port_answers_with_the_frontends_handler_streams_and_stops() -> None:
+    seen: list[tuple[str, str, bytes]] = []
+
+    async def handler(request: Request) -> Response:
+        body = await request.body()
+        seen.append((request.method, request.url.path, body))
+        if request.url.path == "/stream":
+            async def events() -> object:
+                for i in range(3):
+                    yield f"data: {i}\n\n".encode()
+                    await asyncio.sleep(0)
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return JSONResponse({"path": request.url.path, "n": len(body)}, status_code=201)
+
+    async def main() -> str:
+        port = _free_port()
+        ingress = DirectIngress(handler, ServerSection(), "127.0.0.1", port)
+        async with httpx.AsyncClient(base_url=ingress.address, timeout=10) as client:
+            for _ in range(100):  # uvicorn starts in the background
+                try:
+                    reply = await client.post("/v1/x", content=b"12345")
+                    break
+                except httpx.ConnectError:
+                    await asyncio.sleep(0.05)
+            assert (reply.status_code, reply.json()) == (201, {"path": "/v1/x", "n": 5})
+            async with client.stream("GET", "/stream") as streamed:
+                lines = [line async for line in streamed.aiter_lines() if line]
+            assert lines == ["data: 0", "data: 1", "data: 2"]
+        assert seen == [("POST", "/v1/x", b"12345"), ("GET", "/stream", b"")]
+        ingress.close()
+        for _ in range(100):
+            if ingress._task.done():
+                break
+            await asyncio.sleep(0.05)
+        assert ingress._task.done() and ingress.failure is None
+        return ingress.address
+
+    address = asyncio.run(main())
+    with pytest.raises(httpx.ConnectError):  # closed: its socket too
+        httpx.get(f"{address}/after", timeout=2)
+
+
+def test_direct_ingress_is_one_frontend_where_a_port_is_not_shared(monkeypatch: pytest.MonkeyPatch) -> None:
+    direct = SchedulerConfig.from_toml(b"[cluster]\nfrontends = 3\n").cluster
+    assert direct.ingress == "direct"  # the default
+    assert direct.frontend_count(2) == (3 if sys.platform.startswith("linux") else 1)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert direct.frontend_count(2) == 1
+    proxied = SchedulerConfig.from_toml(b"[cluster]\ningress = 'proxy'\nfrontends = 3\n").cluster
+    assert proxied.frontend_count(2) == 3  # Serve's proxy spreads the requests anywhere
+    with pytest.raises(ConfigError, match="cluster.ingress"):
+        SchedulerConfig.from_toml(b"[cluster]\ningress = 'sideways'\n")
