@@ -2,7 +2,8 @@
 path of `serve --replicas N`), driven by `mlx-scheduler bench`, under each of `--variants` (sets of
 `[cluster]` keys; by default `stream_feed` on, a feed per frontend and replica, and off, a Serve
 stream per request), interleaved. For each run: tokens/s, and the CPU seconds the replica's actor,
-its scheduler process (`scheduler_process = true`; else 0), the frontend and Serve's proxy used.
+its scheduler process (`scheduler_process = true`; else 0), the frontend and Serve's proxy used
+(`ingress = "proxy"`; else 0).
 
     python benchmarks/ray_cpu.py --model synthetic:tiny --concurrency 256 --requests 1024 --repeat 2
     python benchmarks/ray_cpu.py --variants scheduler_process=false scheduler_process=true
@@ -28,6 +29,8 @@ from typing import Any
 import httpx
 
 PROCESSES = ("SchedulerReplica", "Frontend", "ProxyActor")
+REQUIRED = PROCESSES[:2]
+"""Serve's proxy runs only with `[cluster] ingress = "proxy"`; without it, it counts 0."""
 CHILD = "scheduler.serving.cluster.child"
 KINDS = (*PROCESSES, "SchedulerProcess")
 """The command line of a replica's scheduler process, reported as "SchedulerProcess"."""
@@ -101,7 +104,7 @@ def one_run(args: argparse.Namespace, variant: str, work: Path) -> dict[str, Any
     try:
         wait_healthy(url, args.start_timeout)
         pids = serve_processes()
-        missing = set(PROCESSES) - set(pids)
+        missing = set(REQUIRED) - set(pids)
         if missing:
             raise SystemExit(f"no process found for {sorted(missing)}")
         report = work / f"bench-{tag}.json"
