@@ -97,3 +97,15 @@ def test_direct_ingress_is_one_frontend_where_a_port_is_not_shared(monkeypatch: 
     assert proxied.frontend_count(2) == 3  # Serve's proxy spreads the requests anywhere
     with pytest.raises(ConfigError, match="cluster.ingress"):
         SchedulerConfig.from_toml(b"[cluster]\ningress = 'sideways'\n")
+
+
+def test_serving_on_a_port_another_program_holds_stops_before_starting_ray() -> None:
+    pytest.importorskip("ray.serve", reason="the cluster extra")
+    from scheduler.serving.cluster.app import run
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"):
+            run(SchedulerConfig(), 2, "127.0.0.1", port, None, 1.0)

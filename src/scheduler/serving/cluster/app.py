@@ -180,6 +180,13 @@ def run(config: SchedulerConfig, replicas: int, host: str, port: int, model_name
 
     from workers.loading.models import resolve_model
 
+    if config.cluster.ingress == "direct":
+        from scheduler.serving.cluster.ingress import shared_socket
+
+        try:  # before Ray's half a minute of starting: a port held by another program is named now
+            shared_socket(host, port).close()
+        except OSError as exc:
+            raise SystemExit(f"mlx-scheduler serve --replicas {replicas}: {exc.strerror}") from exc
     resolve_model(config.model.path, config.model.cache_dir)  # built once, not raced by replicas
     start_ray(config, replicas)
     stop = threading.Event()
