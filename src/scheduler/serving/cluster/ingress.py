@@ -59,7 +59,7 @@ class DirectIngress:
             response = await handler(Request(scope, receive))
             await response(scope, receive, send)
 
-        self.address = f"http://{host}:{port}"
+        self.address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         self._socket = shared_socket(host, port)
         self._server = uvicorn.Server(uvicorn.Config(
             app, lifespan="off", access_log=False, log_level="warning",
