@@ -9,11 +9,12 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 import pytest
 
 from scheduler import SamplingParams, Scheduler
 from scheduler.serving.http.app import create_app
-from scheduler.serving.http.sse import coalesce
+from scheduler.serving.http.sse import OPENAI, NamedEvents, coalesce, named_event
 from scheduler.types import Chunk, TokenLogprob
 from tests.test_actors import wait_idle
 from tests.test_server import completions_scope, config, events, served
@@ -81,6 +82,18 @@ def test_coalesce_joins_each_choices_run_and_keeps_its_ending() -> None:
         last,
     ]
     assert coalesce([last, Chunk(3, "late", [5])])[1].text == "late"  # a final ends its run
+
+
+def test_a_tokens_unicode_line_breaks_do_not_cut_its_event_in_two() -> None:
+    """JSON leaves U+0085, U+2028 and U+2029 unescaped, and readers that split lines the way
+    Python's `str.splitlines` does (httpx's `iter_lines`) would end the event's line there."""
+    text = "one\u2028two\u0085three\u2029four\nfive"
+    payload = msgspec.json.encode({"text": text})
+    for framed in (OPENAI.frames([payload, b"[DONE]"]), NamedEvents().frames([named_event("delta", payload)])):
+        lines = [line for line in framed.decode().splitlines() if line.startswith("data: ")]
+        assert msgspec.json.decode(lines[0][6:])["text"] == text
+    plain = msgspec.json.encode({"text": "nothing to escape: \u00e9\u20ac"})
+    assert OPENAI.frames([plain]) == b"data: " + plain + b"\n\n"
 
 
 async def test_a_stream_sends_what_a_slow_reader_missed_in_one_write(model_cache: Path) -> None:

@@ -29,11 +29,26 @@ T = TypeVar("T")
 log = structlog.get_logger("scheduler.http")
 
 
+# JSON leaves these in its strings as they are, and many clients' line readers (Python's
+# `str.splitlines`, httpx's `iter_lines`) end a line at each: a token's text holding one would cut
+# its event in two there. Escaped, the JSON reads the same and every reader sees one line.
+_LINE_BREAKERS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def line_safe(frames: bytes) -> bytes:
+    """`frames` with the line breaks that JSON does not escape escaped."""
+    if b"\xc2\x85" not in frames and b"\xe2\x80" not in frames:
+        return frames
+    for raw, escaped in _LINE_BREAKERS:
+        frames = frames.replace(raw, escaped)
+    return frames
+
+
 class Dialect:
     """How one API frames its events: OpenAI's `data: ...` lines ended by `[DONE]`."""
 
     def frames(self, events: list[bytes]) -> bytes:
-        return b"".join(b"data: " + e + b"\n\n" for e in events)
+        return line_safe(b"".join(b"data: " + e + b"\n\n" for e in events))
 
     def done(self) -> list[bytes]:
         return [b"[DONE]"]
@@ -55,7 +70,7 @@ class NamedEvents(Dialect):
     Messages, OpenAI's Responses); each says how its error event reads."""
 
     def frames(self, events: list[bytes]) -> bytes:
-        return b"".join(events)
+        return line_safe(b"".join(events))
 
     def done(self) -> list[bytes]:
         return []
