@@ -40,8 +40,8 @@
 #               (Ray's wheels are ~117 MB, over one call's carry): two more calls, see its header.
 #   ray-path    benchmarks/peers.py at $RAY_CONC (1 64 256): the in-process scheduler, `serve` and one
 #               Ray Serve replica (`ray_one.py`) side by side on one GPU, the Ray path's cost
-#               (qwen2.5-0.5b only; RAY_BACKENDS adds variants such as ray:stream_interval_s=0 or
-#               ray:frontends=2; RAY_WAVES, default 2, requests per stream: at 64 streams two waves
+#               (qwen2.5-0.5b only; RAY_BACKENDS adds variants such as ray:stream_interval_s=0,
+#               ray:frontends=2 or 'ray:ingress="proxy"' (Serve's HTTP proxy, the default until 2026-11-27); RAY_WAVES, default 2, requests per stream: at 64 streams two waves
 #               of 64-token requests are a run of about 1.3 s on an H200, too short for a 10% margin)
 #   cluster2    benchmarks/cluster.py on two GPUs, one replica each (8 CPUs each), $CLUSTER_PARTS
 #               (default b): (a) prefix routing, ours against power-of-two, 512-token prefixes
