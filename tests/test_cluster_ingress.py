@@ -87,6 +87,31 @@ def test_the_port_answers_with_the_frontends_handler_streams_and_stops() -> None
         httpx.get(f"{address}/after", timeout=2)
 
 
+def test_the_port_keeps_the_servers_limits_on_slow_and_surplus_connections() -> None:
+    """The single-process server's header timeout and connection cap hold on a frontend's port."""
+    limits = SchedulerConfig.from_toml(b"[server]\nheader_timeout_s = 0.3\nmax_connections = 2\n").server
+
+    async def handler(request: Request) -> Response:
+        return JSONResponse({})
+
+    async def main() -> tuple[bytes, bytes]:
+        ingress = DirectIngress(handler, limits, "127.0.0.1", port := _free_port())
+        await asyncio.sleep(0.3)  # uvicorn starts in the background
+        silent = await asyncio.open_connection("127.0.0.1", port)
+        other = await asyncio.open_connection("127.0.0.1", port)
+        surplus = await asyncio.open_connection("127.0.0.1", port)
+        refused = await asyncio.wait_for(surplus[0].read(), 5)
+        timed_out = await asyncio.wait_for(silent[0].read(), 5)  # nothing sent: 408, then closed
+        for _, writer in (silent, other, surplus):
+            writer.close()
+        ingress.close()
+        return refused, timed_out
+
+    refused, timed_out = asyncio.run(main())
+    assert refused.startswith(b"HTTP/1.1 503") and b"too_many_connections" in refused, refused
+    assert timed_out.startswith(b"HTTP/1.1 408") and b"header_timeout" in timed_out, timed_out
+
+
 def test_direct_ingress_is_one_frontend_where_a_port_is_not_shared(monkeypatch: pytest.MonkeyPatch) -> None:
     direct = SchedulerConfig.from_toml(b"[cluster]\nfrontends = 3\n").cluster
     assert direct.ingress == "direct"  # the default
