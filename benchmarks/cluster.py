@@ -35,7 +35,6 @@ import multiprocessing
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ import httpx
 import msgspec
 
 from scheduler import Scheduler, SchedulerConfig
+from scheduler.cli.bench.mlxlm import free_port
 from scheduler.serving.cluster.app import APP_NAME, deploy, pick_device, start_ray
 
 if TYPE_CHECKING:
@@ -70,16 +70,6 @@ routing = "{routing}"
 stats_period_s = 0.2
 frontends = {frontends}
 """
-
-
-LISTEN: list[tuple[str, int]] = []
-"""The frontends' own port (`[cluster] ingress = "direct"`), chosen once for the run."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def config(args: argparse.Namespace, memory: int | str, routing: str = "cache-aware",
@@ -213,7 +203,7 @@ async def part_a(args: argparse.Namespace, url: str, facts: tuple[int, int, int]
     variants = [("ours", 2, "cache-aware"), ("power-of-two", 2, "power-of-two"), ("one replica", 1, "cache-aware")]
     for name, replicas, routing in variants:
         cfg = config(args, memory, routing)
-        await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster), listen=LISTEN[0])
+        await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster), listen=args.listen)
         async with http_client(url, 300) as client:
             for ratio in args.ratios:
                 rng = random.Random(hash((ratio, 7)))  # the same prompts for every variant
@@ -326,7 +316,7 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
     conns: list[int] = args.connections
     for replicas, frontends in [(r, f) for r in (1, 2) for f in args.frontends]:
         cfg = config(args, args.tp_memory, frontends=frontends)
-        await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster), listen=LISTEN[0])
+        await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster), listen=args.listen)
         rounds: dict[int, list[float]] = {c: [] for c in conns}
         ttfts: dict[int, list[float]] = {c: [] for c in conns}
         split: collections.Counter[str] = collections.Counter()
@@ -410,7 +400,7 @@ async def part_c(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
     prompts = random_prompts(rng, args.kill_requests + 32, args.tp_prompt_tokens, vocab)
     prompts, checks = prompts[:-32], prompts[-32:]
     cfg = config(args, args.tp_memory)
-    await asyncio.to_thread(deploy, cfg, 2, device=pick_device(cfg.cluster), listen=LISTEN[0])
+    await asyncio.to_thread(deploy, cfg, 2, device=pick_device(cfg.cluster), listen=args.listen)
     async with http_client(url, 600) as client:
         await run_all(client, prompts[:4], 4, 4)  # warm-up
         before = {r["replica"]: r["pid"] for r in (await health(client))["replicas"]}
@@ -518,7 +508,7 @@ def main() -> None:
 
     facts = anyio.run(model_facts, args)
     port, own = free_port(), free_port()
-    LISTEN[:] = [("127.0.0.1", own)]
+    args.listen = ("127.0.0.1", own)  # the frontends' own port (`[cluster] ingress = "direct"`)
     start_ray(config(args, "1GiB"), 2, log_to_driver=False)
     rows: list[dict[str, Any]] = []
     try:

@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ import openai  # noqa: E402
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
+from scheduler.cli.bench.mlxlm import free_port  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
 from scheduler.serving.cluster.app import APP_NAME, deploy, drain, start_ray  # noqa: E402
 
@@ -60,12 +60,6 @@ cors_origins = ["https://app.example"]
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _config(model_cache: Path, frontends: int = 1, feed: bool = True, child: bool = False) -> SchedulerConfig:
     return SchedulerConfig.from_toml(TOML.format(cache=model_cache, frontends=frontends, feed=str(feed).lower(),
                                                  child=str(child).lower()))
@@ -84,7 +78,7 @@ def cluster(model_cache: Path) -> Iterator[str]:
     from workers.loading.models import resolve_model
 
     resolve_model(config.model.path, config.model.cache_dir)
-    port, own = _free_port(), _free_port()
+    port, own = free_port(), free_port()
     start_ray(config, 2, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -520,7 +514,7 @@ def test_two_frontends_share_the_work_and_what_each_routed(cluster: str, model_c
     from the replicas' reports). The turns share no prefix, so only the session keeps them.
     This deployment takes the other paths: each request streamed on its own (`stream_feed =
     false`), and each replica's scheduler in a child process of its own (`scheduler_process`)."""
-    own = _free_port()  # the port of the deployment it replaces may be held a moment longer
+    own = free_port()  # the port of the deployment it replaces may be held a moment longer
     deploy(_config(model_cache, frontends=2, feed=False, child=True), 2, listen=("127.0.0.1", own))
     URLS["direct"] = cluster = f"http://127.0.0.1:{own}"
     assert all(r["scheduler_pid"] != r["pid"] for r in health(cluster)["replicas"])

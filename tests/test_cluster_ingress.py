@@ -15,6 +15,7 @@ pytest.importorskip("uvicorn", reason="the server extra")
 
 from starlette.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
 
+from scheduler.cli.bench.mlxlm import free_port  # noqa: E402
 from scheduler.config import SchedulerConfig, ServerSection  # noqa: E402
 from scheduler.errors import ConfigError  # noqa: E402
 from scheduler.serving.cluster.ingress import DirectIngress, shared_socket  # noqa: E402
@@ -23,15 +24,9 @@ if TYPE_CHECKING:
     from starlette.requests import Request
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT spreads connections on Linux")
 def test_the_frontends_of_a_host_bind_one_port_and_a_port_taken_otherwise_is_named() -> None:
-    port = _free_port()
+    port = free_port()
     first, second = shared_socket("127.0.0.1", port), shared_socket("127.0.0.1", port)
     try:
         assert first.getsockname() == second.getsockname() == ("127.0.0.1", port)
@@ -60,7 +55,7 @@ def test_the_port_answers_with_the_frontends_handler_streams_and_stops() -> None
         return JSONResponse({"path": request.url.path, "n": len(body)}, status_code=201)
 
     async def main() -> str:
-        port = _free_port()
+        port = free_port()
         ingress = DirectIngress(handler, ServerSection(), "127.0.0.1", port)
         async with httpx.AsyncClient(base_url=ingress.address, timeout=10) as client:
             for _ in range(100):  # uvicorn starts in the background
@@ -95,7 +90,7 @@ def test_the_port_keeps_the_servers_limits_on_slow_and_surplus_connections() -> 
         return JSONResponse({})
 
     async def main() -> tuple[bytes, bytes]:
-        ingress = DirectIngress(handler, limits, "127.0.0.1", port := _free_port())
+        ingress = DirectIngress(handler, limits, "127.0.0.1", port := free_port())
         await asyncio.sleep(0.3)  # uvicorn starts in the background
         silent = await asyncio.open_connection("127.0.0.1", port)
         other = await asyncio.open_connection("127.0.0.1", port)

@@ -101,7 +101,7 @@ class _Child:
             finally:
                 self.starting.pop(m.cid, None)
             self.following[m.cid] = stream
-            self._took(m.cid, [first])
+            wire.add_chunks(self.chunks, m.cid, [first])
             stream.listen(self._wake)
             self._wake()
 
@@ -114,13 +114,6 @@ class _Child:
             await stream.aclose()
         self.chunks.pop(cid, None)
 
-    def _took(self, cid: int, chunks: list[Chunk]) -> None:
-        held = self.chunks.get(cid)
-        if held is None:
-            self.chunks[cid] = chunks
-        else:
-            held += chunks
-
     def _reply(self, msg: msgspec.Struct) -> None:
         self.replies.append(msg)
         self._wake()
@@ -132,7 +125,7 @@ class _Child:
         done: list[int] = []
         for cid, stream in self.following.items():
             if got := stream.ready():
-                self._took(cid, got)
+                wire.add_chunks(self.chunks, cid, got)
             if stream.ended:
                 done.append(cid)
         for cid in done:

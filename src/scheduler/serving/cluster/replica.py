@@ -33,6 +33,7 @@ from scheduler.errors import SchedulerError
 from scheduler.request import Request  # noqa: TC001 - msgspec needs it at runtime
 from scheduler.serving.cluster.prom import label_replica
 from scheduler.serving.cluster.remote import ChildScheduler
+from scheduler.serving.cluster.wire import add_chunks
 from scheduler.serving.heap import freeze_startup_heap
 from scheduler.types import Chunk
 
@@ -89,11 +90,7 @@ class Outbox:
         self.readers = 0
 
     def put(self, key: int, chunks: list[Chunk]) -> None:
-        held = self._chunks.get(key)
-        if held is None:
-            self._chunks[key] = chunks
-        else:
-            held += chunks
+        add_chunks(self._chunks, key, chunks)
         self._ready.set()
 
     def refuse(self, key: int, error: SchedulerError) -> None:

@@ -81,6 +81,15 @@ FromChild = Ready | Failed | Step | Stats | Metrics
 _HEADER = struct.Struct("<I")
 
 
+def add_chunks(held: dict[int, list[Chunk]], key: int, chunks: list[Chunk]) -> None:
+    """Append `chunks` to what `held` keeps for `key` until the next frame or item takes it."""
+    kept = held.get(key)
+    if kept is None:
+        held[key] = chunks
+    else:
+        kept += chunks
+
+
 class Framed:
     """Frames of one type union over a byte stream: `send_many` writes some, `receive` reads one."""
 
