@@ -13,7 +13,8 @@ worker thread (both sides)
 - sampling + rows: the rest of `BatchGenerator.next` (sampler graph, `tolist`, responses);
 - engine: ours around `BatchGenerator.next` (budget, request ids, step result);
 - post + commands: building the step's message, waking the event loop, taking commands (the
-  worker's CPU time between two steps);
+  worker's CPU time between two steps); the CPU time of the engine's inserts and removals and of
+  the worker's posts to the loop follow on lines of their own;
 - between steps, off CPU: the wall time between two steps the worker was not running (waiting
   for the GIL, or for the loop's handoff after a first token);
 - GIL wait: wall minus CPU time of the Python-only phases (forward graph, sampling, engine).
@@ -53,7 +54,7 @@ from cuda_api import api_calls  # noqa: E402
 from overhead import bare_loop, engine_loop, make_prompts, scheduler_run  # noqa: E402
 
 WORKER = ["forward graph", "async_eval", "async_eval, off CPU", "device wait", "sampling + rows", "engine", "post + commands",
-          "between steps, off CPU", "GIL wait"]
+          "insert, CPU", "remove, CPU", "post, CPU", "between steps, off CPU", "GIL wait"]
 LOOP = ["handoff", "detokenize", "stop strings", "other on_step", "admission take", "pool", "delivery",
         "other loop CPU"]
 
@@ -88,6 +89,12 @@ class Clocks:
             "sampling + rows": w["next"] - w["forward"] - w["async_eval"] - w["eval"],
             "engine": engine,
             "post + commands": c["gap"] - engine_cpu,
+            # CPU time of the engine's inserts and removals and of the worker's posts to the loop,
+            # mostly within "post + commands" (a post from inside a step is not): on CUDA their MLX
+            # calls may cost far more than their Python.
+            "insert, CPU": c["insert"],
+            "remove, CPU": c["remove"],
+            "post, CPU": c["post"],
             "handoff": w["handoff"],
             "detokenize": w["text"] - w["stop"],
             "stop strings": w["stop"],
@@ -140,6 +147,7 @@ def install(model: Any) -> None:
     import scheduler.admission.core as core
     import scheduler.streaming.detokenize as detok
     import workers.batching.engine as engine
+    import workers.worker as worker
     from workers.batching.prefill import JoiningBatch
 
     cls = type(model)
@@ -147,6 +155,9 @@ def install(model: Any) -> None:
     mx.async_eval = timed("async_eval", mx.async_eval, inside=True)
     mx.eval = timed("eval", mx.eval, inside=True)
     engine.MLXEngine.step = timed("step", engine.MLXEngine.step)
+    engine.MLXEngine.insert = timed("insert", engine.MLXEngine.insert)
+    engine.MLXEngine.remove = timed("remove", engine.MLXEngine.remove)
+    worker.GPUWorker._post = timed("post", worker.GPUWorker._post)
     core.AdmissionCore.on_step = timed("on_step", core.AdmissionCore.on_step)
     detok.TextStream.add = timed("text", detok.TextStream.add)
     detok.StopText.feed = timed("stop", detok.StopText.feed)
