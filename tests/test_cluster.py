@@ -376,6 +376,19 @@ def test_health_and_metrics_cover_every_replica(cluster: str) -> None:
     assert len(helps) == len(set(helps)) > 0  # one HELP per family, samples of both replicas under it
 
 
+def test_our_deployments_log_no_line_per_serve_call(cluster: str) -> None:
+    """Serve's access log would write a line for every request, feed and router probe a replica
+    takes (`CALL generate OK`), tens a second per frontend; our deployments turn it off."""
+    from pathlib import Path
+
+    assert complete(cluster, prompt="log me not", max_tokens=4).status_code == 200
+    serve_logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    files = sorted(serve_logs.glob(f"replica_{APP_NAME}_*.log"))
+    assert {"SchedulerReplica", "Frontend"} <= {f.name.split("_")[2] for f in files}, files
+    calls = [line for f in files for line in f.read_text().splitlines() if " -- CALL " in line]
+    assert calls == [], calls[:3]
+
+
 def test_a_call_for_a_replica_that_is_gone_neither_spins_nor_blocks_the_router(cluster: str) -> None:
     # What a health fan-out meets when a replica dies between listing and asking: no rank
     # takes it. The router that runs in this process (the handle's side) must back off and

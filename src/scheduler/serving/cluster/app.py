@@ -77,6 +77,7 @@ def build(config: SchedulerConfig, replicas: int, model_name: str | None = None,
         name=REPLICAS, num_replicas=replicas, max_ongoing_requests=c.max_ongoing_requests,
         ray_actor_options=actor_options(c, device), request_router_config=router,
         health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
+        logging_config=QUIET,
     ).bind(config)
     count = c.frontend_count(replicas)
     direct = c.ingress == "direct"
@@ -86,11 +87,18 @@ def build(config: SchedulerConfig, replicas: int, model_name: str | None = None,
         name=FRONTENDS, num_replicas=count,
         max_ongoing_requests=c.max_ongoing_requests * replicas,
         ray_actor_options={"num_cpus": 0, **({"resources": here()} if direct else {})},
-        request_router_config=frontends,
+        request_router_config=frontends, logging_config=QUIET,
     )
     # A frontend streams for its share of the replicas: their budget of messages comes with them.
     return frontend.bind(backend, config, model_name, c.stream_messages_per_s * max(1.0, replicas / count),
                          listen if direct else None)
+
+
+# Serve logs a line per call a deployment takes: on a replica every request, feed and router
+# probe (tens a second per frontend), into its log files, at a share of the replica's CPU. A line
+# per request is the scheduler's to give (`request_finished`, at `[logging] level = "debug"`), as
+# `serve` gives it.
+QUIET = {"enable_access_log": False}
 
 
 def here() -> dict[str, float]:
