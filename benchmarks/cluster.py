@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 BASE = """
 [model]
 path = "{model}"
-[kvpool]
+{model_keys}[kvpool]
 memory = {memory}
 block_tokens = {block_tokens}
 [worker]
@@ -78,7 +78,8 @@ def config(args: argparse.Namespace, memory: int | str, routing: str = "cache-aw
     text = BASE.format(model=args.model, memory=mem, block_tokens=args.block_tokens,
                        max_batch=args.max_batch, cpus=args.cpus_per_replica, device=args.device,
                        gpus=args.gpus_per_replica, routing=routing,
-                       frontends=f'"{frontends}"' if isinstance(frontends, str) else frontends)
+                       frontends=f'"{frontends}"' if isinstance(frontends, str) else frontends,
+                       model_keys="".join(f"{item}\n" for item in args.model_key))
     text += "".join(f"{item}\n" for item in args.cluster)  # more [cluster] keys, TOML values
     return SchedulerConfig.from_toml(text)
 
@@ -492,6 +493,9 @@ def main() -> None:
     p.add_argument("--cluster", action="append", default=[], metavar="KEY=VALUE",
                    help="a [cluster] key for every deployment, its value in TOML (e.g. stream_feed=false, "
                         "scheduler_process=true); repeatable")
+    p.add_argument("--model-key", action="append", default=[], metavar="KEY=VALUE",
+                   help='a [model] key for every deployment, its value in TOML (e.g. dequantize="no": '
+                        "a quantized model kept so); repeatable")
     p.add_argument("--kill-requests", type=int, default=256)
     p.add_argument("--kill-concurrency", type=int, default=64)
     p.add_argument("--kill-after", type=float, default=3.0)
