@@ -131,6 +131,33 @@ async def test_json_logs_are_one_object_a_line_and_respect_the_level(restore_str
     assert "worker_started" in text and "request_finished" not in text  # debug is filtered
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("stream", "env", "coloured"), [
+    (io.StringIO, {}, False),  # a file, a pipe, a service's journal
+    (_Terminal, {}, True),
+    (_Terminal, {"NO_COLOR": "1"}, False),
+    (io.StringIO, {"FORCE_COLOR": "1"}, True),
+])
+def test_console_lines_are_coloured_on_a_terminal_only(restore_structlog: None, monkeypatch: pytest.MonkeyPatch,
+                                                       stream: type[io.StringIO], env: dict[str, str],
+                                                       coloured: bool) -> None:
+    for name in ("NO_COLOR", "FORCE_COLOR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out = stream()
+    configure_logging("console", "info", stream=out)
+    structlog.get_logger().info("cluster_drained", unfinished=0)
+    text = out.getvalue()
+    assert ("\x1b[" in text) is coloured, repr(text)
+    if not coloured:
+        assert "cluster_drained" in text and "unfinished=0" in text
+
+
 def test_importing_the_library_configures_no_logging() -> None:
     code = (
         "import structlog, scheduler, scheduler.cli.main, scheduler.cli.bench, metrics, workers, kvpool;"

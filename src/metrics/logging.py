@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import TextIO
 
@@ -10,10 +11,12 @@ import structlog
 
 
 def configure_logging(fmt: str = "console", level: str = "info", stream: TextIO | None = None) -> None:
-    """Console or JSON lines at `level` and above, to `stream` (default stderr)."""
+    """Console or JSON lines at `level` and above, to `stream` (default stderr). Console lines
+    are coloured on a terminal only (`NO_COLOR` and `FORCE_COLOR` say otherwise)."""
+    out = stream or sys.stderr
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if fmt == "json"
-        else structlog.dev.ConsoleRenderer(exception_formatter=_traceback_formatter())
+        else structlog.dev.ConsoleRenderer(colors=_colors(out), exception_formatter=_traceback_formatter())
     )
     structlog.configure(
         processors=[
@@ -23,9 +26,19 @@ def configure_logging(fmt: str = "console", level: str = "info", stream: TextIO 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(out),
         cache_logger_on_first_use=False,
     )
+
+
+def _colors(stream: TextIO) -> bool:
+    # A log file or a service manager's journal would keep the escape codes as text.
+    if os.environ.get("NO_COLOR"):
+        return False
+    if os.environ.get("FORCE_COLOR"):
+        return True
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty is not None and isatty())
 
 
 def _traceback_formatter() -> structlog.typing.ExceptionRenderer:
