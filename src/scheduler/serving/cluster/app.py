@@ -114,10 +114,10 @@ def start_serve(config: SchedulerConfig, host: str, port: int) -> None:
     """Serve, with its HTTP proxy on `host:port`, or no proxy where the frontends serve the port."""
     from ray import serve
 
-    if config.cluster.ingress == "direct":
-        serve.start(proxy_location="Disabled")
-    else:
-        serve.start(http_options={"host": host, "port": port})
+    # Without a proxy Serve binds nothing, but it still names `http_options` as the application's
+    # address when it is ready: ours, where the frontends listen, not its default port 8000.
+    serve.start(proxy_location="Disabled" if config.cluster.ingress == "direct" else None,
+                http_options={"host": host, "port": port})
 
 
 def deploy(config: SchedulerConfig, replicas: int, model_name: str | None = None,
