@@ -4,9 +4,11 @@ against our scheduler in-process and against a real `mlx_lm.server` on 127.0.0.1
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import anyio
@@ -17,7 +19,8 @@ import structlog
 from scheduler.cli.bench import datasets
 from scheduler.cli.bench.mlxlm import MlxLmServer, free_port
 from scheduler.cli.bench.report import Report, build_report, format_table, parse_goodput
-from scheduler.cli.bench.runner import Load, RunResult, arrival_times, run_load
+from scheduler.cli.bench.runner import Load, RunResult, arrival_times, run_arrivals, run_load
+from scheduler.cli.bench.spread import run_spread, split
 from scheduler.cli.bench.targets import Record, Sampling
 from scheduler.cli.main import main
 from workers.loading.models import resolve_model
@@ -203,6 +206,67 @@ def test_bench_drives_mlx_lm_server_with_the_same_flags(
     assert report.ttft_ms.p99 > 0 and report.itl_ms.median > 0
 
 
+def test_a_run_splits_over_client_processes_as_one_client_would_send_it() -> None:
+    specs = [datasets.RequestSpec(f"p{i}", 4, 8) for i in range(10)]
+    closed = split(specs, Load(concurrency=5), 3)
+    assert [ids for ids, _, _ in closed] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert [part.concurrency for _, part, _ in closed] == [2, 2, 1] and all(t is None for _, _, t in closed)
+    whole = run_arrivals(10, (opened := Load(request_rate=20.0, burstiness=0.5, max_concurrency=4, seed=3)))
+    parts = split(specs, opened, 3)
+    assert sorted(i for ids, _, _ in parts for i in ids) == list(range(10))
+    for ids, part, times in parts:  # the one schedule of the whole run, shared out
+        assert times == [whole[i] for i in ids] and part.request_rate == 20.0
+    assert sum(part.max_concurrency or 0 for _, part, _ in parts) == 4
+    # Never more processes than requests, users, or requests allowed in flight.
+    assert len(split(specs[:2], Load(concurrency=8), 4)) == 2
+    assert len(split(specs, Load(concurrency=1), 4)) == 1
+    assert len(split(specs, Load(max_concurrency=2), 4)) == 2
+
+
+@pytest.mark.integration
+def test_bench_sends_from_several_client_processes(
+    tmp_path: Path, model_cache: Path, capsys: pytest.CaptureFixture[str], restore_structlog: None
+) -> None:
+    pytest.importorskip("httpx")
+    import subprocess
+
+    import httpx
+
+    port = free_port()
+    cfg = write_config(tmp_path, model_cache)
+    server = subprocess.Popen([sys.executable, "-m", "scheduler.cli.main", "serve", "--config", cfg, "--port",
+                               str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.25)
+        out = tmp_path / "r.json"
+        flags = [f for f in FLAGS if f != "--quiet"]
+        rc = main(["bench", "--url", url, "--config", cfg, "--model", "synthetic:tiny", *flags, "--clients", "2",
+                   "--json", str(out)])
+        assert rc == 0
+        assert "2 client processes: 12/12 done" in capsys.readouterr().err
+        (report,) = msgspec.json.decode(out.read_bytes(), type=list[Report])
+        assert (report.completed, report.failed, report.total_output_tokens) == (12, 0, 96)
+        assert 0 < len(report.details.itls) <= 12 * 7  # a gap per event; an event may carry several tokens
+
+        # The processes are others than this one, and an open loop keeps its one schedule.
+        specs = [datasets.RequestSpec("hello there", 3, 4) for _ in range(6)]
+        load = Load(request_rate=40.0, seed=1)
+        run, pids = run_spread(url, None, 5.0, specs, load, Sampling(ignore_eos=True), 3)
+        assert len(set(pids)) == 3 and os.getpid() not in pids
+        assert all(r.ok and r.output_tokens == 4 for r in run.records)
+        for rec, at in zip(run.records, run_arrivals(6, load), strict=True):
+            assert at <= rec.sent_at < at + 1.0, (rec.sent_at, at)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 def test_bad_invocations_fail_fast_with_one_clear_line(
     tmp_path: Path, model_cache: Path, capsys: pytest.CaptureFixture[str], restore_structlog: None,
     monkeypatch: pytest.MonkeyPatch,
@@ -214,6 +278,8 @@ def test_bad_invocations_fail_fast_with_one_clear_line(
     assert "not both" in capsys.readouterr().err
     assert main(["bench", "--config", cfg, "--goodput", "itl:3"]) == 2
     assert "goodput" in capsys.readouterr().err
+    assert main(["bench", "--config", cfg, "--clients", "2", "--num-prompts", "2", "--quiet"]) == 2
+    assert "--clients needs --url" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     assert main(["bench", "--config", cfg, "--plot", str(tmp_path)]) == 2
     assert "pip install 'mlx-scheduler[bench]'" in capsys.readouterr().err

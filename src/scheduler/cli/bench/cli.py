@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -13,10 +14,13 @@ import msgspec
 
 from scheduler.cli.bench import datasets, plots
 from scheduler.cli.bench.report import Report, build_report, format_sweep, format_table, parse_goodput
-from scheduler.cli.bench.runner import Load, run_load
-from scheduler.cli.bench.targets import OpenAITarget, Record, Sampling, SchedulerTarget, Target
+from scheduler.cli.bench.runner import Load, RunResult, run_load
+from scheduler.cli.bench.spread import SpreadError, run_spread
+from scheduler.cli.bench.targets import OpenAITarget, Record, Sampling, SchedulerTarget, Target, http_client
 
 if TYPE_CHECKING:
+    from typing import TextIO
+
     from scheduler.config import SchedulerConfig
 
 
@@ -59,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--served-model-name", metavar="NAME", help="the 'model' field sent to --url")
     t.add_argument("--connect-retry", type=float, default=30.0, metavar="S",
                    help="--url: retry refused or dropped connections for up to S seconds")
+    t.add_argument("--clients", type=_positive, default=1, metavar="N",
+                   help="with --url: send from N client processes, each with a share of the requests "
+                        "(one Python client reads about 10,000-20,000 streamed tokens a second)")
     t.add_argument("--tokenizer", metavar="PATH", help="model dir or synthetic:NAME whose tokenizer "
                    "sizes the prompts (default: --model)")
     d = p.add_argument_group("workload")
@@ -90,6 +97,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib)")
     o.add_argument("--label", help="a name for the run in tables and plots")
     o.add_argument("--quiet", action="store_true", help="no live progress")
+
+
+async def _spread(target: OpenAITarget, args: argparse.Namespace, specs: list[datasets.RequestSpec],
+                  load: Load, sampling: Sampling, progress: TextIO | None) -> RunResult:
+    try:
+        run, pids = await anyio.to_thread.run_sync(run_spread, target.url, args.served_model_name,
+                                                   args.connect_retry, specs, load, sampling, args.clients)
+    except SpreadError as exc:
+        raise BenchError(str(exc)) from None
+    if progress is not None:
+        done = sum(1 for r in run.records if r.done)
+        print(f"{len(pids)} client processes: {done}/{len(specs)} done in {run.duration_s:.1f} s",
+              file=progress)
+    return run
 
 
 def loads(args: argparse.Namespace) -> list[Load]:
@@ -172,17 +193,15 @@ async def _run_all(
 ) -> list[Report]:
     sampling = Sampling(temperature=args.temperature, ignore_eos=args.ignore_eos)
     if args.url:
-        try:
-            import httpx
-        except ImportError:
-            raise BenchError("--url needs httpx: pip install 'mlx-scheduler[bench]'") from None
-        _raise_open_files_limit()
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        timeout = httpx.Timeout(args.max_duration, connect=10.0)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+        if importlib.util.find_spec("httpx") is None:
+            raise BenchError("--url needs httpx: pip install 'mlx-scheduler[bench]'")
+        async with http_client(args.max_duration) as client:
             target = OpenAITarget(client, args.url, model=args.served_model_name,
                                   connect_retry_s=args.connect_retry)
             return await _levels(target, args, specs, levels, sampling, slos)
+    if args.clients > 1:
+        raise BenchError("--clients needs --url: the scheduler in this process is driven without a "
+                         "network client")
     from scheduler.api import Scheduler
 
     async with Scheduler(config) as sched:
@@ -204,20 +223,11 @@ async def _levels(
         progress = None if args.quiet else sys.stderr
         if progress is not None:
             print(f"{target.label}: {len(specs)} requests, {load.describe()}", file=progress)
-        run = await run_load(target, specs, load, sampling, progress=progress)
+        if args.clients > 1 and isinstance(target, OpenAITarget):
+            run = await _spread(target, args, specs, load, sampling, progress)
+        else:
+            run = await run_load(target, specs, load, sampling, progress=progress)
         label = load.describe() if not args.label else (
             args.label if len(levels) == 1 else f"{args.label} {load.describe()}")
         reports.append(build_report(run, label=label, target=target.label, slos_ms=slos))
     return reports
-
-
-def _raise_open_files_limit() -> None:
-    """Thousands of concurrent connections need as many descriptors; take the hard limit."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ImportError, ValueError, OSError):
-        pass  # not on this platform, or not allowed: the run reports what fails

@@ -88,7 +88,10 @@ async def run_load(
     *,
     progress: TextIO | None = sys.stderr,
     progress_every_s: float = 1.0,
+    arrivals: list[float] | None = None,
 ) -> RunResult:
+    """Send `specs` as `load` says. `arrivals`: an open loop's send times (seconds from the
+    start, one per spec) drawn elsewhere, for a share of a run spread over processes."""
     records = [Record(s.prompt_tokens, s.max_tokens) for s in specs]
     start = time.perf_counter()
 
@@ -104,7 +107,7 @@ async def run_load(
             if load.concurrency is not None:
                 await _closed(one, len(specs), load)
             else:
-                await _open(one, len(specs), load)
+                await _open(one, len(specs), load, arrivals)
             cut_off = False
         outer.cancel_scope.cancel()
     duration = time.perf_counter() - start
@@ -119,8 +122,13 @@ async def run_load(
     return RunResult(load, records, duration, cut_off)
 
 
-async def _open(one: _Send, n: int, load: Load) -> None:
-    times = arrival_times(n, load.request_rate, load.burstiness, load.ramp_up_s, random.Random(load.seed))
+def run_arrivals(n: int, load: Load) -> list[float]:
+    """An open loop's send times for `n` requests, as `run_load` draws them."""
+    return arrival_times(n, load.request_rate, load.burstiness, load.ramp_up_s, random.Random(load.seed))
+
+
+async def _open(one: _Send, n: int, load: Load, arrivals: list[float] | None) -> None:
+    times = run_arrivals(n, load) if arrivals is None else arrivals
     limiter = anyio.CapacityLimiter(load.max_concurrency) if load.max_concurrency else None
     t0 = anyio.current_time()
 

@@ -102,6 +102,28 @@ class SchedulerTarget:
             rec.done = True
 
 
+def http_client(max_duration_s: float) -> httpx.AsyncClient:
+    """The client a bench run sends over: no cap on connections (thousands of streams at once
+    need as many descriptors: the soft limit is raised to the hard one)."""
+    import httpx
+
+    _raise_open_files_limit()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    timeout = httpx.Timeout(max_duration_s, connect=10.0)
+    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+
+def _raise_open_files_limit() -> None:
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass  # not on this platform, or not allowed: the run reports what fails
+
+
 class OpenAITarget:
     """A streaming `/v1/completions` endpoint. Connections refused or dropped before any byte of
     the response are retried for up to `connect_retry_s` (mlx_lm.server's listener keeps only 5
