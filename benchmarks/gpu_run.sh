@@ -42,7 +42,9 @@
 #               Ray Serve replica (`ray_one.py`) side by side on one GPU, the Ray path's cost
 #               (qwen2.5-0.5b only; RAY_BACKENDS adds variants such as ray:stream_interval_s=0,
 #               ray:frontends=2 or 'ray:ingress="proxy"' (Serve's HTTP proxy, the default until 2026-11-27); RAY_WAVES, default 2, requests per stream: at 64 streams two waves
-#               of 64-token requests are a run of about 1.3 s on an H200, too short for a 10% margin)
+#               of 64-token requests are a run of about 1.3 s on an H200, too short for a 10% margin;
+#               RAY_ARGS adds options, e.g. "--clients 4": at 256 streams one client process read
+#               the tokens in bursts on 2026-11-27, near its limit)
 #   cluster2    benchmarks/cluster.py on two GPUs, one replica each (8 CPUs each), $CLUSTER_PARTS
 #               (default b): (a) prefix routing, ours against power-of-two, 512-token prefixes
 #               in 1024-block pools; (b) tokens/s on 1 and 2 replicas, 256 requests x 64 tokens
@@ -205,7 +207,7 @@ for s in "${stages[@]}"; do
         [ "$m" = qwen2.5-0.5b ] || continue
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency ${RAY_CONC:-1 64 256} \
           --warmup 1 --repeat ${REPEAT:-1} --waves ${RAY_WAVES:-2} --backends ${RAY_BACKENDS:-scheduler served ray} \
-          --out "$out/ray-path-$m.json" ;;
+          ${RAY_ARGS:-} --out "$out/ray-path-$m.json" ;;
       cold-start)
         timeout "$limit" python3 -P benchmarks/cold_start.py --model "$(spec "$m")" --timeout $((limit / 3)) \
           --out "$out/cold-start-$m.json" ;;

@@ -52,7 +52,8 @@ from scheduler.cli.bench import datasets
 from scheduler.cli.bench.mlxlm import MlxLmServer
 from scheduler.cli.bench.report import Report, build_report
 from scheduler.cli.bench.runner import Load, RunResult, run_load
-from scheduler.cli.bench.targets import OpenAITarget, Record, Sampling, SchedulerTarget
+from scheduler.cli.bench.spread import run_spread
+from scheduler.cli.bench.targets import OpenAITarget, Record, Sampling, SchedulerTarget, http_client
 from workers.blas import blas_state, preload
 from workers.loading.models import load_model, parse_synthetic, resolve_model
 
@@ -318,21 +319,26 @@ async def through_scheduler(
         return await run_load(target, specs, Load(concurrency=n), sampling, progress=None)
 
 
-async def through_http(url: str, specs: list[datasets.RequestSpec], n: int,
-                       model: str | None = None, sampling: Sampling = GREEDY) -> RunResult:
-    """`model`: the request's "model" field, for servers that require it (vllm-mlx)."""
-    import httpx
+def through_http(url: str, specs: list[datasets.RequestSpec], n: int, model: str | None = None,
+                 sampling: Sampling = GREEDY, clients: int = 1) -> RunResult:
+    """`model`: the request's "model" field, for servers that require it (vllm-mlx); `clients`:
+    client processes sending it (one reads about 10,000-20,000 streamed tokens a second)."""
+    if clients > 1:
+        return run_spread(url, model, 30.0, specs, Load(concurrency=n), sampling, clients)[0]
 
-    limits = httpx.Limits(max_connections=None)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600, connect=10), trust_env=False) as c:
-        return await run_load(OpenAITarget(c, url, model=model), specs, Load(concurrency=n), sampling, progress=None)
+    async def one_client() -> RunResult:
+        async with http_client(600) as c:
+            return await run_load(OpenAITarget(c, url, model=model), specs, Load(concurrency=n), sampling,
+                                  progress=None)
+
+    return anyio.run(one_client)
 
 
 def run_backend(backend: str, model: object, tokenizer: object, model_dir: Path,
                 specs: list[datasets.RequestSpec], ids: list[list[int]], n: int, max_tokens: int,
                 warm: tuple[list[datasets.RequestSpec], list[list[int]]] | None = None,
                 vllm_mlx: str | None = None, tmp: Path = Path("."), sampling: Sampling = GREEDY,
-                llama_cpp: tuple[str, Path] | None = None) -> tuple[Report, RunResult]:
+                llama_cpp: tuple[str, Path] | None = None, clients: int = 1) -> tuple[Report, RunResult]:
     """One timed run; `warm` (other prompts) first runs untimed through the same backend (for
     a server, in the same server process), so that kernel compilation is not timed."""
     name, _, keys = backend.partition(":")
@@ -343,8 +349,8 @@ def run_backend(backend: str, model: object, tokenizer: object, model_dir: Path,
         with http_server(name, model_dir, n, worker, vllm_mlx, tmp, llama_cpp) as server:
             model_field = str(model_dir) if name == "vllm-mlx" else None
             if warm:
-                anyio.run(through_http, server.url, warm[0], n, model_field, sampling)
-            run = anyio.run(through_http, server.url, specs, n, model_field, sampling)
+                through_http(server.url, warm[0], n, model_field, sampling, clients)
+            run = through_http(server.url, specs, n, model_field, sampling, clients)
     elif backend == "bare":
         stops = None if sampling.ignore_eos else [[t] for t in tokenizer.eos_token_ids]  # type: ignore[attr-defined]
         if warm:
@@ -479,6 +485,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, choices=(0, 1),
                     help="1: before a level's first timed run of each backend (and before every "
                          "server run, a fresh process), one untimed wave of other prompts")
+    ap.add_argument("--clients", type=int, default=1,
+                    help="client processes for the HTTP backends (one reads about 10,000-20,000 streamed "
+                         "tokens a second: at 256 streams on a GPU it may be the limit)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/peers.json")
     args = ap.parse_args()
@@ -548,7 +557,8 @@ def main() -> None:
                 cold = args.warmup and (rep == 0 or fresh)
                 load_before_run = os.getloadavg()[0]
                 report, run = run_backend(backend, model, tokenizer, model_dir, specs, ids, n, args.max_tokens,
-                                          warm if cold else None, args.vllm_mlx, tmp, sampling, llama_cpp)
+                                          warm if cold else None, args.vllm_mlx, tmp, sampling, llama_cpp,
+                                          args.clients)
                 ceiling = best["bare"]["tok_s"] if "bare" in best else None
                 r = row(backend, n, report, ceiling, run)
                 r["repeat"] = rep
