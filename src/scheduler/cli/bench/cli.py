@@ -103,7 +103,8 @@ async def _spread(target: OpenAITarget, args: argparse.Namespace, specs: list[da
                   load: Load, sampling: Sampling, progress: TextIO | None) -> RunResult:
     try:
         run, pids = await anyio.to_thread.run_sync(run_spread, target.url, args.served_model_name,
-                                                   args.connect_retry, specs, load, sampling, args.clients)
+                                                   args.connect_retry, specs, load, sampling, args.clients,
+                                                   progress)
     except SpreadError as exc:
         raise BenchError(str(exc)) from None
     if progress is not None:

@@ -89,10 +89,13 @@ async def run_load(
     progress: TextIO | None = sys.stderr,
     progress_every_s: float = 1.0,
     arrivals: list[float] | None = None,
+    records: list[Record] | None = None,
 ) -> RunResult:
-    """Send `specs` as `load` says. `arrivals`: an open loop's send times (seconds from the
-    start, one per spec) drawn elsewhere, for a share of a run spread over processes."""
-    records = [Record(s.prompt_tokens, s.max_tokens) for s in specs]
+    """Send `specs` as `load` says. For a share of a run spread over processes: `arrivals`, an
+    open loop's send times (seconds from the start, one per spec) drawn elsewhere; `records`,
+    one per spec, filled here as requests go (its caller reports progress from them)."""
+    if records is None:
+        records = [Record(s.prompt_tokens, s.max_tokens) for s in specs]
     start = time.perf_counter()
 
     async def one(i: int) -> None:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from typing import TYPE_CHECKING, Any
+import time
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import anyio
 import msgspec
@@ -26,6 +28,7 @@ from scheduler.cli.bench.runner import Load, RunResult, run_arrivals, run_load
 from scheduler.cli.bench.targets import OpenAITarget, Record, Sampling, http_client
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
     from multiprocessing.connection import Connection
 
 START_TIMEOUT_S = 120.0
@@ -45,12 +48,25 @@ class Share(msgspec.Struct, frozen=True):
     """An open loop's send times, seconds from the common start, one per spec."""
 
 
-class Done(msgspec.Struct):
+class Progress(msgspec.Struct, tag=True):
+    """A process's counts so far, sent every `PROGRESS_EVERY_S`."""
+
+    sent: int
+    done: int
+    failed: int
+    tokens: int
+
+
+class Done(msgspec.Struct, tag=True):
     records: list[Record]
     duration_s: float
     cut_off: bool
     pid: int
     error: str = ""
+
+
+PROGRESS_EVERY_S = 1.0
+_message = msgspec.msgpack.Decoder(Progress | Done)
 
 
 class SpreadError(RuntimeError):
@@ -85,8 +101,10 @@ def _even(total: int, parts: int, j: int) -> int:
 
 
 def run_spread(url: str, model: str | None, connect_retry_s: float, specs: list[RequestSpec], load: Load,
-               sampling: Sampling, clients: int) -> tuple[RunResult, list[int]]:
-    """The run, sent by up to `clients` processes: its result and the processes' ids. Blocks."""
+               sampling: Sampling, clients: int,
+               progress: TextIO | None = None) -> tuple[RunResult, list[int]]:
+    """The run, sent by up to `clients` processes: its result and the processes' ids. Blocks;
+    prints the processes' counts together to `progress` every second."""
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold MLX's threads
     parts = split(specs, load, clients)
     barrier = ctx.Barrier(len(parts))
@@ -100,20 +118,34 @@ def run_spread(url: str, model: str | None, connect_retry_s: float, specs: list[
         running.append((proc, receive, ids))
     records = [Record(s.prompt_tokens, s.max_tokens) for s in specs]
     duration, cut_off, pids, errors = 0.0, False, [], []
-    for proc, receive, ids in running:
-        try:
-            done = msgspec.msgpack.decode(receive.recv_bytes(), type=Done)
-        except EOFError:
+    counts: dict[Connection, Progress] = {}
+    ending = {receive: (proc, ids) for proc, receive, ids in running}
+    start = shown = time.monotonic()
+    while ending:
+        for ready in wait(list(ending), timeout=PROGRESS_EVERY_S):
+            conn = cast("Connection", ready)
+            proc, ids = ending[conn]
+            try:
+                msg = _message.decode(conn.recv_bytes())
+            except EOFError:
+                proc.join()
+                msg = Done([], 0.0, True, proc.pid or 0, f"it ended with exit code {proc.exitcode}")
+            if isinstance(msg, Progress):
+                counts[conn] = msg
+                continue
+            del ending[conn]
+            counts.pop(conn, None)
             proc.join()
-            done = Done([], 0.0, True, proc.pid or 0, f"it ended with exit code {proc.exitcode}")
-        proc.join()
-        if done.error:
-            errors.append(f"client process {done.pid}: {done.error}")
-            continue
-        for i, rec in zip(ids, done.records, strict=True):
-            records[i] = rec
-        duration, cut_off = max(duration, done.duration_s), cut_off or done.cut_off
-        pids.append(done.pid)
+            if msg.error:
+                errors.append(f"client process {msg.pid}: {msg.error}")
+                continue
+            for i, rec in zip(ids, msg.records, strict=True):
+                records[i] = rec
+            duration, cut_off = max(duration, msg.duration_s), cut_off or msg.cut_off
+            pids.append(msg.pid)
+        if progress is not None and time.monotonic() - shown >= PROGRESS_EVERY_S:
+            shown = time.monotonic()
+            _show(progress, shown - start, len(specs), records, counts.values())
     if errors:
         raise SpreadError("; ".join(errors))
     return RunResult(load, records, duration, cut_off), pids
@@ -122,7 +154,7 @@ def run_spread(url: str, model: str | None, connect_retry_s: float, specs: list[
 def _child(share_bytes: bytes, barrier: Any, conn: Connection) -> None:
     try:
         share = msgspec.msgpack.decode(share_bytes, type=Share)
-        done = anyio.run(_send, share, barrier)
+        done = anyio.run(_send, share, barrier, conn)
     except BaseException as exc:  # told to the parent, which names it: nothing else would
         barrier.abort()  # the others stop waiting for this one
         done = Done([], 0.0, True, os.getpid(), f"{type(exc).__name__}: {exc}")
@@ -130,10 +162,37 @@ def _child(share_bytes: bytes, barrier: Any, conn: Connection) -> None:
     conn.close()
 
 
-async def _send(share: Share, barrier: Any) -> Done:
-    async with http_client(share.load.max_duration_s) as client:
+async def _send(share: Share, barrier: Any, conn: Connection) -> Done:
+    records = [Record(s.prompt_tokens, s.max_tokens) for s in share.specs]
+
+    async def report() -> None:
+        while True:
+            await anyio.sleep(PROGRESS_EVERY_S)
+            conn.send_bytes(msgspec.msgpack.encode(_counts(records)))
+
+    async with http_client(share.load.max_duration_s) as client, anyio.create_task_group() as tg:
         target = OpenAITarget(client, share.url, model=share.model, connect_retry_s=share.connect_retry_s)
         await anyio.to_thread.run_sync(barrier.wait, START_TIMEOUT_S)  # everyone ready: go together
+        tg.start_soon(report)
         run = await run_load(target, share.specs, share.load, share.sampling, progress=None,
-                             arrivals=share.arrivals)
+                             arrivals=share.arrivals, records=records)
+        tg.cancel_scope.cancel()
     return Done(run.records, run.duration_s, run.cut_off, os.getpid())
+
+
+def _counts(records: list[Record]) -> Progress:
+    return Progress(sent=sum(1 for r in records if r.sent_at >= 0), done=sum(1 for r in records if r.done),
+                    failed=sum(1 for r in records if r.done and not r.ok),
+                    tokens=sum(r.output_tokens for r in records))
+
+
+def _show(out: TextIO, elapsed: float, total: int, records: list[Record],
+          running: Iterable[Progress]) -> None:
+    """The processes' counts as one line: those still sending by their last report, the ended
+    ones by their records (the others' records are still unsent placeholders: zeros)."""
+    now = [_counts(records), *running]
+    sent, done = sum(p.sent for p in now), sum(p.done for p in now)
+    failed, tokens = sum(p.failed for p in now), sum(p.tokens for p in now)
+    out.write(f"[{elapsed:7.1f}s] sent {sent}/{total}  done {done}  failed {failed}  in flight "
+              f"{sent - done}  output {tokens / max(elapsed, 1e-9):8.1f} tok/s\n")
+    out.flush()
