@@ -322,7 +322,7 @@ async def through_scheduler(
 def through_http(url: str, specs: list[datasets.RequestSpec], n: int, model: str | None = None,
                  sampling: Sampling = GREEDY, clients: int = 1) -> RunResult:
     """`model`: the request's "model" field, for servers that require it (vllm-mlx); `clients`:
-    client processes sending it (one reads about 10,000-20,000 streamed tokens a second)."""
+    client processes sending it (one reads at most about 10,000 streamed tokens a second)."""
     if clients > 1:
         return run_spread(url, model, 30.0, specs, Load(concurrency=n), sampling, clients)[0]
 
@@ -486,7 +486,7 @@ def main() -> None:
                     help="1: before a level's first timed run of each backend (and before every "
                          "server run, a fresh process), one untimed wave of other prompts")
     ap.add_argument("--clients", type=int, default=1,
-                    help="client processes for the HTTP backends (one reads about 10,000-20,000 streamed "
+                    help="client processes for the HTTP backends (one reads at most about 10,000 streamed "
                          "tokens a second: at 256 streams on a GPU it may be the limit)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/peers.json")

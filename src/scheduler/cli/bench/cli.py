@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--url: retry refused or dropped connections for up to S seconds")
     t.add_argument("--clients", type=_positive, default=1, metavar="N",
                    help="with --url: send from N client processes, each with a share of the requests "
-                        "(one Python client reads about 10,000-20,000 streamed tokens a second)")
+                        "(one Python client reads at most about 10,000 streamed tokens a second)")
     t.add_argument("--tokenizer", metavar="PATH", help="model dir or synthetic:NAME whose tokenizer "
                    "sizes the prompts (default: --model)")
     d = p.add_argument_group("workload")
