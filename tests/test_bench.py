@@ -9,7 +9,7 @@ import random
 import statistics
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -265,6 +265,32 @@ def test_bench_sends_from_several_client_processes(
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # uvicorn runs on asyncio only
+async def test_a_malformed_event_fails_its_request_and_the_run_goes_on() -> None:
+    pytest.importorskip("httpx")
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from scheduler.cli.bench.targets import OpenAITarget, http_client
+    from tests.test_server import uvicorn_serving
+
+    async def completions(request: Any) -> StreamingResponse:
+        body = await request.json()
+        good = b'data: {"choices": [{"text": "hi", "finish_reason": "length"}]}\n\ndata: [DONE]\n\n'
+        events = {"[1]": b"data: [1]\n\n", "{oops": b"data: {oops\n\n"}.get(body["prompt"], good)
+        return StreamingResponse(iter([events]), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    specs = [datasets.RequestSpec(p, 1, 2) for p in ("fine", "{oops", "[1]", "fine too")]
+    async with uvicorn_serving(app) as url, http_client(30) as client:
+        run = await run_load(OpenAITarget(client, url), specs, Load(concurrency=2), Sampling(), progress=None)
+    assert [r.ok for r in run.records] == [True, False, False, True] and all(r.done for r in run.records)
+    assert "malformed event '{oops'" in run.records[1].error and "JSONDecodeError" in run.records[1].error
+    assert "malformed event '[1]'" in run.records[2].error and "AttributeError" in run.records[2].error
 
 
 def test_bad_invocations_fail_fast_with_one_clear_line(

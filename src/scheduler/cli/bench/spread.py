@@ -118,7 +118,9 @@ def run_spread(url: str, model: str | None, connect_retry_s: float, specs: list[
         send.close()  # the child's end: EOF here if the child dies
         running.append((proc, receive, ids))
     records = [Record(s.prompt_tokens, s.max_tokens) for s in specs]
-    duration, cut_off, pids, errors = 0.0, False, [], []
+    duration, cut_off = 0.0, False
+    pids: list[int] = []
+    errors: list[str] = []
     counts: dict[Connection, Progress] = {}
     ending = {receive: (proc, ids) for proc, receive, ids in running}
     start = shown = time.monotonic()
@@ -138,7 +140,10 @@ def run_spread(url: str, model: str | None, connect_retry_s: float, specs: list[
             counts.pop(conn, None)
             proc.join()
             if msg.error:
-                errors.append(f"client process {msg.pid}: {msg.error}")
+                if not errors:  # the first: the others are stopped, their run being lost anyway
+                    errors.append(f"client process {msg.pid}: {msg.error}")
+                    for other, _ in ending.values():
+                        other.terminate()
                 continue
             for i, rec in zip(ids, msg.records, strict=True):
                 records[i] = rec

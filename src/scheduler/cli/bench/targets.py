@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 OK_REASONS = frozenset({"stop", "length"})
 
 
+class BadEvent(Exception):
+    """A streamed event that is not the JSON of a completion chunk."""
+
+
 class Sampling(msgspec.Struct, frozen=True):
     temperature: float = 0.0
     ignore_eos: bool = False
@@ -183,6 +187,8 @@ class OpenAITarget:
                     delay = min(0.5, delay * 2)
         except httpx.HTTPError as exc:
             rec.error = f"{type(exc).__name__}: {exc}"
+        except BadEvent as exc:  # the server's fault: this request failed, the run goes on
+            rec.error = str(exc)
         finally:
             rec.e2e = time.perf_counter() - t0
             rec.done = True
@@ -201,16 +207,23 @@ class OpenAITarget:
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                event = json.loads(data)
-                usage = event.get("usage") or usage
-                for choice in event.get("choices") or ():
-                    if choice.get("text"):
-                        last = rec.arrived(1, t0, last)  # a token count estimate until the usage
-                    if choice.get("finish_reason"):
-                        rec.finish_reason = str(choice["finish_reason"])
+                try:
+                    event = json.loads(data)
+                    usage = event.get("usage") or usage
+                    choices = event.get("choices") or ()
+                    for choice in choices:
+                        if choice.get("text"):
+                            last = rec.arrived(1, t0, last)  # a token count estimate until the usage
+                        if choice.get("finish_reason"):
+                            rec.finish_reason = str(choice["finish_reason"])
+                except (ValueError, AttributeError, TypeError) as exc:
+                    raise BadEvent(f"a malformed event {data[:80]!r}: {type(exc).__name__}: {exc}") from None
         if usage is not None:
-            rec.output_tokens = int(usage.get("completion_tokens", rec.output_tokens))
-            rec.prompt_tokens = int(usage.get("prompt_tokens", rec.prompt_tokens))
+            try:
+                rec.output_tokens = int(usage.get("completion_tokens", rec.output_tokens))
+                rec.prompt_tokens = int(usage.get("prompt_tokens", rec.prompt_tokens))
+            except (ValueError, AttributeError, TypeError) as exc:
+                raise BadEvent(f"a malformed usage {str(usage)[:80]!r}: {type(exc).__name__}: {exc}") from None
         rec.ok = rec.finish_reason in OK_REASONS
         if not rec.ok:
             rec.error = f"finish_reason {rec.finish_reason or 'missing'}"
