@@ -104,13 +104,8 @@ async def run_demo(
             while True:
                 await anyio.sleep(0.5 if tty else 2.0)
                 s = sched.stats()
-                elapsed = time.perf_counter() - start
-                done = sum(1 for r in records if r.finish_reason)
-                out.write(
-                    f"{start_of_line}  {elapsed:5.1f}s  done {done:4d}/{requests}  running {s.running:3d}  "
-                    f"waiting {s.waiting:4d}  tokens {s.generated_tokens:6d}  "
-                    f"{s.generated_tokens / elapsed:7.1f} tok/s{end_of_line}"
-                )
+                line = progress_line(time.perf_counter() - start, records, s.running, s.waiting)
+                out.write(f"{start_of_line}{line}{end_of_line}")
                 out.flush()
 
         async with anyio.create_task_group() as tg:
@@ -133,6 +128,18 @@ async def run_demo(
         itl_p99_ms=itl.p99 * 1e3, e2e_p50_s=summarize([r.e2e for r in records]).p50,
         finish_reasons=reasons,
     )
+
+
+def progress_line(elapsed: float, records: Sequence[Record], running: int, waiting: int) -> str:
+    """The burst so far: its requests done, those with a first token (until then a request's
+    prompt is being prefilled, which for a whole burst can take seconds on a small CPU), and
+    its own tokens (not the answers shown before it)."""
+    done = sum(1 for r in records if r.finish_reason)
+    first = sum(1 for r in records if r.ttft is not None)
+    tokens = sum(r.output_tokens for r in records)
+    return (f"  {elapsed:5.1f}s  done {done:4d}/{len(records)}  first tokens {first:4d}  "
+            f"running {running:3d}  waiting {waiting:4d}  tokens {tokens:6d}  "
+            f"{tokens / max(elapsed, 1e-9):7.1f} tok/s")
 
 
 def format_table(result: DemoResult) -> str:

@@ -223,7 +223,8 @@ class OpenAITarget:
                 rec.output_tokens = int(usage.get("completion_tokens", rec.output_tokens))
                 rec.prompt_tokens = int(usage.get("prompt_tokens", rec.prompt_tokens))
             except (ValueError, AttributeError, TypeError) as exc:
-                raise BadEvent(f"a malformed usage {str(usage)[:80]!r}: {type(exc).__name__}: {exc}") from None
+                shown = str(usage)[:80]
+                raise BadEvent(f"a malformed usage {shown!r}: {type(exc).__name__}: {exc}") from None
         rec.ok = rec.finish_reason in OK_REASONS
         if not rec.ok:
             rec.error = f"finish_reason {rec.finish_reason or 'missing'}"
