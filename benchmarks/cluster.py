@@ -51,6 +51,9 @@ from scheduler import Scheduler, SchedulerConfig
 from scheduler.cli.bench.mlxlm import free_port
 from scheduler.serving.cluster.app import APP_NAME, deploy, pick_device, start_ray
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from placement import Placement  # noqa: E402
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -332,6 +335,8 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
             else:
                 await spread_round(pool, url, batch(), 8, None, args.clients)
             cpu0, start = cpu_seconds(), time.perf_counter()
+            where = Placement({k: int(k.split()[1]) for k in cpu0 if k.startswith("replica ")})
+            where.start()
             for i in range(args.tp_repeat):
                 for j, (c, client) in enumerate(zip(conns, clients, strict=True)):  # interleaved
                     t0 = time.perf_counter()
@@ -346,6 +351,7 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
                         await spy.wait()
                     split.update(o[2] for o in out)
             cores = busy(cpu0, cpu_seconds(), time.perf_counter() - start)
+            await where.stop()
             routing = (await health(clients[0])).get("routing", {})
             gpus = gpus_of(cores) if args.device == "cuda" else {}
         finally:
@@ -367,7 +373,7 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
                          "ttft_p50_ms": 1e3 * percentile(ttfts[c], 0.5),
                          "ttft_p99_ms": 1e3 * percentile(ttfts[c], 0.99),
                          "cores_busy": cores, "requests_per_replica": sorted(split.values(), reverse=True),
-                         "routing": routing, "gpus": gpus})
+                         "routing": routing, "gpus": gpus, "placement": where.summary()})
             print_row(rows[-1])
         serve.delete(APP_NAME)
     # Against one replica with the same frontends and connections, and with the fewest frontends.
@@ -459,6 +465,8 @@ def print_row(r: dict[str, Any]) -> None:
         print("    cores busy: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cores_busy"].items())
               + f"; requests per replica {r['requests_per_replica']}, routing {r['routing']}"
               + (f"; GPUs held {r['gpus']}" if r.get("gpus") else ""), flush=True)
+        if r.get("placement"):
+            print(f"    busiest threads' CPUs (samples): {r['placement']}", flush=True)
 
 
 def main() -> None:
