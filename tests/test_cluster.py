@@ -52,6 +52,7 @@ stats_period_s = 0.2
 frontends = {frontends}
 stream_feed = {feed}
 scheduler_process = {child}
+pin_cpus = true
 [server]
 # Only the token endpoints are guarded, so the other tests need no key.
 api_keys = ["cluster-key"]
@@ -367,6 +368,8 @@ def test_health_and_metrics_cover_every_replica(cluster: str) -> None:
     assert sum(body["in_flight"].values()) <= len(replicas) and set(body["in_flight"]) <= {r["replica"] for r in replicas}
     assert len(replicas) == 2 and all(r["stats"]["blocks_total"] > 0 for r in replicas)
     assert all(r["scheduler_pid"] == r["pid"] for r in replicas)  # by default, in the actor's process
+    # `pin_cpus` asked, but a replica on the CPU has no GPU to place its cores by: it says so.
+    assert all(r["cpus"] is None and "holds no GPU" in r["cpus_note"] for r in replicas), replicas
     assert body["unreachable"] == []
     assert sum(r["stats"]["finished"] for r in replicas) > 0
     text = httpx.get(f"{cluster}/metrics", timeout=30).text

@@ -255,6 +255,12 @@ class ClusterSection(_Section):
     actor, so that the thread building each step shares its GIL with the scheduler's loop alone,
     not with Serve's per-call and per-item machinery in the actor; one local socket carries the
     requests in and one frame per step out. False: the scheduler runs in the actor's process."""
+    pin_cpus: bool = False
+    """Each replica's threads on physical cores of their own: the replica holding GPU g of a
+    node's G takes the g-th of G equal runs of its cores (Linux, a whole GPU per replica). Ray's
+    `num_cpus` places nothing, and two replicas' worker threads on the hyperthreads of one core
+    each get well under a core. Off: not yet measured; a replica that cannot be pinned says why
+    in its log and in `/health` (`cpus_note`)."""
     stream_messages_per_s: PositiveFloat = 640.0
     """A budget of streamed messages a second, shared by the streams that are sending (past their
     first token; a queued request sends nothing): each message costs per message, not per token.

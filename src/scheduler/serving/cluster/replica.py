@@ -31,6 +31,7 @@ import structlog
 
 from scheduler.errors import SchedulerError
 from scheduler.request import Request  # noqa: TC001 - msgspec needs it at runtime
+from scheduler.serving.cluster.pinning import pin_replica
 from scheduler.serving.cluster.prom import label_replica
 from scheduler.serving.cluster.remote import ChildScheduler
 from scheduler.serving.cluster.wire import add_chunks
@@ -147,6 +148,14 @@ class SchedulerReplica:
         self._boxes: dict[str, Outbox] = {}  # by frontend id
         self._feeds = 0  # open `feed` streams: they share `stream_messages_per_s`
         self._fed = [0, 0]  # feed items sent, and the requests they carried (one count per item each)
+        self._cpus: list[int] | None = None
+        self._cpus_note = ""
+        if config.cluster.pin_cpus:  # before the scheduler's threads and child start: they inherit it
+            self._cpus, self._cpus_note = pin_replica(config.cluster.gpus_per_replica)
+            if self._cpus is None:
+                log.warning("replica_not_pinned", replica=self._id, reason=self._cpus_note)
+            else:
+                log.info("replica_pinned", replica=self._id, cpus=self._cpus)
         self._owner = asyncio.get_running_loop().create_task(self._own())
         await self._ready.wait()
         if self._failure is not None:
@@ -299,6 +308,7 @@ class SchedulerReplica:
         stats = await sched.fetch_stats() if isinstance(sched, ChildScheduler) else sched.stats()
         return {"replica": self._id, "pid": os.getpid(),
                 "scheduler_pid": sched.pid if isinstance(sched, ChildScheduler) else os.getpid(),
+                "cpus": self._cpus, "cpus_note": self._cpus_note,
                 "streams": {"open": self._open, "sending": self._sending, "feeds": self._feeds,
                             "feed_items": self._fed[0], "feed_requests": self._fed[1]},
                 "stats": msgspec.to_builtins(stats)}
