@@ -56,7 +56,9 @@
 #               "--clients 4": each round sent by 4 client processes, as one caps at ~2,000 tok/s;
 #               "--frontends 1 2": each deployment with one frontend process, then two;
 #               "--cluster stream_feed=false": a [cluster] key for every deployment;
-#               '--model-key dequantize="no"': a [model] key, here SmolLM2 kept quantized);
+#               '--model-key dequantize="no"': a [model] key, here SmolLM2 kept quantized;
+#               "--cluster pin_cpus=true": each replica on physical cores of its own; part (b)
+#               prints where each replica's busiest thread ran, and how often two shared a core);
 #               TP_MAX_TOKENS and TP_REPEAT lengthen (b)'s rounds (64 tokens: a round of 2-4 s, too
 #               short to pin the two-replica ratio down within 10%)
 #   cold-start  benchmarks/cold_start.py: a fresh process's first rounds (256 requests at once) with an
