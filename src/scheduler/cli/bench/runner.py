@@ -167,15 +167,33 @@ async def _progress(records: list[Record], start: float, out: TextIO, every: flo
         _print_progress(records, start, out)
 
 
-def _print_progress(records: list[Record], start: float, out: TextIO, final: bool = False) -> None:
-    elapsed = time.perf_counter() - start
-    sent = sum(1 for r in records if r.sent_at >= 0)
-    done = sum(1 for r in records if r.done)
-    failed = sum(1 for r in records if r.done and not r.ok)
-    tokens = sum(r.output_tokens for r in records)
-    tty = out.isatty()
-    line = (f"[{elapsed:7.1f}s] sent {sent}/{len(records)}  done {done}  failed {failed}  "
-            f"in flight {sent - done}  output {tokens / max(elapsed, 1e-9):8.1f} tok/s")
-    out.write(("\r" + line + ("\n" if final else "")) if tty else line + "\n")
+class Counts(msgspec.Struct, tag=True):
+    """A run's requests sent, done and failed, and its output tokens, so far."""
+
+    sent: int = 0
+    done: int = 0
+    failed: int = 0
+    tokens: int = 0
+
+    @classmethod
+    def of(cls, records: list[Record]) -> Counts:
+        return cls(sent=sum(1 for r in records if r.sent_at >= 0), done=sum(1 for r in records if r.done),
+                   failed=sum(1 for r in records if r.done and not r.ok),
+                   tokens=sum(r.output_tokens for r in records))
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(self.sent + other.sent, self.done + other.done, self.failed + other.failed,
+                      self.tokens + other.tokens)
+
+
+def print_progress(counts: Counts, total: int, elapsed: float, out: TextIO, final: bool = False) -> None:
+    """One progress line: rewritten in place on a terminal, else a line each time."""
+    c = counts
+    line = (f"[{elapsed:7.1f}s] sent {c.sent}/{total}  done {c.done}  failed {c.failed}  "
+            f"in flight {c.sent - c.done}  output {c.tokens / max(elapsed, 1e-9):8.1f} tok/s")
+    out.write(("\r" + line + ("\n" if final else "")) if out.isatty() else line + "\n")
     out.flush()
 
+
+def _print_progress(records: list[Record], start: float, out: TextIO, final: bool = False) -> None:
+    print_progress(Counts.of(records), len(records), time.perf_counter() - start, out, final)

@@ -25,11 +25,10 @@ import anyio
 import msgspec
 
 from scheduler.cli.bench.datasets import RequestSpec  # noqa: TC001 - msgspec decodes it at run time
-from scheduler.cli.bench.runner import Load, RunResult, run_arrivals, run_load
+from scheduler.cli.bench.runner import Counts, Load, RunResult, print_progress, run_arrivals, run_load
 from scheduler.cli.bench.targets import OpenAITarget, Record, Sampling, http_client
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
     from multiprocessing.connection import Connection
 
 START_TIMEOUT_S = 120.0
@@ -49,15 +48,6 @@ class Share(msgspec.Struct, frozen=True):
     """An open loop's send times, seconds from the common start, one per spec."""
 
 
-class Progress(msgspec.Struct, tag=True):
-    """A process's counts so far, sent every `PROGRESS_EVERY_S`."""
-
-    sent: int
-    done: int
-    failed: int
-    tokens: int
-
-
 class Done(msgspec.Struct, tag=True):
     records: list[Record]
     duration_s: float
@@ -67,7 +57,8 @@ class Done(msgspec.Struct, tag=True):
 
 
 PROGRESS_EVERY_S = 1.0
-_message = msgspec.msgpack.Decoder(Progress | Done)
+_message = msgspec.msgpack.Decoder(Counts | Done)
+"""A process's `Counts` every `PROGRESS_EVERY_S`, then its `Done`."""
 
 
 class SpreadError(RuntimeError):
@@ -121,7 +112,7 @@ def run_spread(url: str, model: str | None, connect_retry_s: float, specs: list[
     duration, cut_off = 0.0, False
     pids: list[int] = []
     errors: list[str] = []
-    counts: dict[Connection, Progress] = {}
+    counts: dict[Connection, Counts] = {}
     ending = {receive: (proc, ids) for proc, receive, ids in running}
     start = shown = time.monotonic()
     while ending:
@@ -133,7 +124,7 @@ def run_spread(url: str, model: str | None, connect_retry_s: float, specs: list[
             except EOFError:
                 proc.join()
                 msg = Done([], 0.0, True, proc.pid or 0, f"it ended with exit code {proc.exitcode}")
-            if isinstance(msg, Progress):
+            if isinstance(msg, Counts):
                 counts[conn] = msg
                 continue
             del ending[conn]
@@ -149,9 +140,12 @@ def run_spread(url: str, model: str | None, connect_retry_s: float, specs: list[
                 records[i] = rec
             duration, cut_off = max(duration, msg.duration_s), cut_off or msg.cut_off
             pids.append(msg.pid)
-        if progress is not None and time.monotonic() - shown >= PROGRESS_EVERY_S:
+        if progress is not None and (not ending or time.monotonic() - shown >= PROGRESS_EVERY_S):
+            # Those still sending by their last counts, the ended ones by their records (the
+            # others' records are still unsent placeholders: zeros).
             shown = time.monotonic()
-            _show(progress, shown - start, len(specs), records, counts.values())
+            now = sum(counts.values(), Counts.of(records))
+            print_progress(now, len(specs), shown - start, progress, final=not ending)
     if errors:
         raise SpreadError("; ".join(errors))
     return RunResult(load, records, duration, cut_off), pids
@@ -174,7 +168,7 @@ async def _send(share: Share, barrier: Any, conn: Connection) -> Done:
     async def report() -> None:
         while True:
             await anyio.sleep(PROGRESS_EVERY_S)
-            conn.send_bytes(msgspec.msgpack.encode(_counts(records)))
+            conn.send_bytes(msgspec.msgpack.encode(Counts.of(records)))
 
     async with http_client(share.load.max_duration_s) as client, anyio.create_task_group() as tg:
         target = OpenAITarget(client, share.url, model=share.model, connect_retry_s=share.connect_retry_s)
@@ -184,21 +178,3 @@ async def _send(share: Share, barrier: Any, conn: Connection) -> Done:
                              arrivals=share.arrivals, records=records)
         tg.cancel_scope.cancel()
     return Done(run.records, run.duration_s, run.cut_off, os.getpid())
-
-
-def _counts(records: list[Record]) -> Progress:
-    return Progress(sent=sum(1 for r in records if r.sent_at >= 0), done=sum(1 for r in records if r.done),
-                    failed=sum(1 for r in records if r.done and not r.ok),
-                    tokens=sum(r.output_tokens for r in records))
-
-
-def _show(out: TextIO, elapsed: float, total: int, records: list[Record],
-          running: Iterable[Progress]) -> None:
-    """The processes' counts as one line: those still sending by their last report, the ended
-    ones by their records (the others' records are still unsent placeholders: zeros)."""
-    now = [_counts(records), *running]
-    sent, done = sum(p.sent for p in now), sum(p.done for p in now)
-    failed, tokens = sum(p.failed for p in now), sum(p.tokens for p in now)
-    out.write(f"[{elapsed:7.1f}s] sent {sent}/{total}  done {done}  failed {failed}  in flight "
-              f"{sent - done}  output {tokens / max(elapsed, 1e-9):8.1f} tok/s\n")
-    out.flush()
