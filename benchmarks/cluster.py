@@ -53,6 +53,7 @@ from scheduler.serving.cluster.app import APP_NAME, deploy, pick_device, start_r
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from placement import Placement  # noqa: E402
+from procstat import TICK, read_stat  # noqa: E402
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -243,15 +244,14 @@ ROLES = {"ray::ProxyActor": "proxy", ":Frontend": "frontend", ":SchedulerReplica
 
 
 def cpu_seconds() -> dict[str, float]:
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     out = {"client": sum(os.times()[:2])}
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
             role = next((r for k, r in ROLES.items() if k in cmd), None)
             if role is not None:
-                fields = (proc / "stat").read_text().rpartition(")")[2].split()
-                out[f"{role} {proc.name}"] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+                user, system, _ = read_stat(proc / "stat")
+                out[f"{role} {proc.name}"] = (user + system) / TICK
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
     return out

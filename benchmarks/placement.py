@@ -12,14 +12,9 @@ import asyncio
 import collections
 from pathlib import Path
 
+from procstat import read_stat
 
-def siblings(cpu: int) -> str:
-    """The CPUs sharing `cpu`'s physical core, as Linux lists them ("5,21"), else the CPU alone."""
-    path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return str(cpu)
+from scheduler.serving.cluster.pinning import siblings
 
 
 def busiest_cpu(pid: int) -> int | None:
@@ -27,12 +22,11 @@ def busiest_cpu(pid: int) -> int | None:
     best: tuple[int, int] | None = None
     for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
         try:
-            fields = stat.read_text().rpartition(")")[2].split()
-            used, cpu = int(fields[11]) + int(fields[12]), int(fields[36])  # utime + stime, processor
+            user, system, cpu = read_stat(stat)
         except (OSError, ValueError, IndexError):
             continue  # the thread ended meanwhile
-        if best is None or used > best[0]:
-            best = (used, cpu)
+        if best is None or user + system > best[0]:
+            best = (user + system, cpu)
     return None if best is None else best[1]
 
 

@@ -28,6 +28,9 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procstat import TICK, read_stat  # noqa: E402
+
 PROCESSES = ("SchedulerReplica", "Frontend", "ProxyActor")
 REQUIRED = PROCESSES[:2]
 """Serve's proxy runs only with `[cluster] ingress = "proxy"`; without it, it counts 0."""
@@ -64,11 +67,10 @@ def serve_processes() -> dict[str, int]:
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for name, pid in pids.items():
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        user, system, _ = read_stat(Path(f"/proc/{pid}/stat"))
+        out[name] = (user + system) / TICK
     return out
 
 

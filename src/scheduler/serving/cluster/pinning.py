@@ -18,16 +18,20 @@ from pathlib import Path
 SYSFS = Path("/sys/devices/system/cpu")
 
 
+def siblings(cpu: int, sysfs: Path = SYSFS) -> str:
+    """The CPUs sharing `cpu`'s physical core, as Linux lists them ("5,21"); a CPU whose topology
+    the system does not tell is a core of its own."""
+    try:
+        return (sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip()
+    except OSError:
+        return str(cpu)
+
+
 def physical_cores(allowed: set[int], sysfs: Path = SYSFS) -> list[list[int]]:
-    """`allowed` CPUs grouped by physical core (hyperthreads together), in CPU order; a CPU whose
-    topology the system does not tell is a core of its own."""
+    """`allowed` CPUs grouped by physical core (hyperthreads together), in CPU order."""
     cores: dict[str, list[int]] = {}
     for cpu in sorted(allowed):
-        try:
-            siblings = (sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip()
-        except OSError:
-            siblings = str(cpu)
-        cores.setdefault(siblings, []).append(cpu)
+        cores.setdefault(siblings(cpu, sysfs), []).append(cpu)
     return sorted(cores.values())
 
 
