@@ -13,8 +13,10 @@ worker thread (both sides)
 - sampling + rows: the rest of `BatchGenerator.next` (sampler graph, `tolist`, responses);
 - engine: ours around `BatchGenerator.next` (budget, request ids, step result);
 - post + commands: building the step's message, waking the event loop, taking commands (the
-  worker's CPU time between two steps); the CPU time of the engine's inserts and removals and of
-  the worker's posts to the loop follow on lines of their own;
+  worker's CPU time between two steps); lines of their own follow for parts of it: taking
+  commands (the engine's inserts and removals among it), handing a step over (its post to the
+  loop, then after a first token the wait for the loop's delivery, CPU and wall), the CPU of
+  every post to the loop (one from inside a step included);
 - between steps, off CPU: the wall time between two steps the worker was not running (waiting
   for the GIL, or for the loop's handoff after a first token);
 - GIL wait: wall minus CPU time of the Python-only phases (forward graph, sampling, engine).
@@ -30,7 +32,10 @@ The clocks cost both sides alike (a few µs a phase), so tok/s here are below `o
     python benchmarks/host_cost.py --model synthetic:tiny --concurrency 1
     python benchmarks/host_cost.py --model synthetic:llama-3.2-1b --concurrency 64   # on a GPU
 
-Prints a table per concurrency and writes JSON (`--out`).
+Prints a table per concurrency and writes JSON (`--out`). `--py-spy PATH` also samples the
+scheduler side's last run at each concurrency with py-spy (native frames included) into
+`<out>-py-spy-<N>.txt`, and prints where the worker thread's samples between two decode steps
+went (`benchmarks/stacks.py` reads the file further).
 """
 
 from __future__ import annotations
@@ -52,9 +57,14 @@ import anyio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_api import api_calls  # noqa: E402
 from overhead import bare_loop, engine_loop, make_prompts, scheduler_run  # noqa: E402
+from stacks import recorded, report  # noqa: E402
+
+BETWEEN_STEPS = ("next (mlx_lm", "next_alone (")
+"""Frames of a decode step: the worker's stacks without them are its time between two steps."""
 
 WORKER = ["forward graph", "async_eval", "async_eval, off CPU", "device wait", "sampling + rows", "engine", "post + commands",
-          "insert, CPU", "remove, CPU", "post, CPU", "between steps, off CPU", "GIL wait"]
+          "commands, CPU", "insert, CPU", "remove, CPU", "hand over, CPU", "hand over, wall", "post, CPU",
+          "between steps, off CPU", "GIL wait"]
 LOOP = ["handoff", "detokenize", "stop strings", "other on_step", "admission take", "pool", "delivery",
         "other loop CPU"]
 
@@ -92,6 +102,9 @@ class Clocks:
             # CPU time of the engine's inserts and removals and of the worker's posts to the loop,
             # mostly within "post + commands" (a post from inside a step is not): on CUDA their MLX
             # calls may cost far more than their Python.
+            "commands, CPU": c["intake"],
+            "hand over, CPU": c["handover"],
+            "hand over, wall": w["handover"],
             "insert, CPU": c["insert"],
             "remove, CPU": c["remove"],
             "post, CPU": c["post"],
@@ -158,6 +171,8 @@ def install(model: Any) -> None:
     engine.MLXEngine.insert = timed("insert", engine.MLXEngine.insert)
     engine.MLXEngine.remove = timed("remove", engine.MLXEngine.remove)
     worker.GPUWorker._post = timed("post", worker.GPUWorker._post)
+    worker.GPUWorker._intake = timed("intake", worker.GPUWorker._intake)
+    worker.GPUWorker._hand_over = timed("handover", worker.GPUWorker._hand_over)
     core.AdmissionCore.on_step = timed("on_step", core.AdmissionCore.on_step)
     detok.TextStream.add = timed("text", detok.TextStream.add)
     detok.StopText.feed = timed("stop", detok.StopText.feed)
@@ -263,6 +278,8 @@ def main() -> None:
     ap.add_argument("--cuda-api", action="store_true",
                     help="count each side's CUDA runtime calls a step (launches, allocations, frees, "
                          "waits) with PyTorch's profiler (cuda_api.py); needs PyTorch beside MLX")
+    ap.add_argument("--py-spy", default="", metavar="PATH",
+                    help="py-spy's path: sample the scheduler side's last run at each concurrency")
     ap.add_argument("--out", default="benchmarks/results/host_cost.json")
     args = ap.parse_args()
     if args.switch_interval is not None:
@@ -302,9 +319,13 @@ def main() -> None:
                  ("engine", alone, functools.partial(engine_counted, model, prompts, n, args.max_tokens, w,
                                                      info.vocab_size)),
                  ("sched", ours, functools.partial(ours_counted, config, prompts, n, args.max_tokens, args.stream)))
-        for _ in range(args.repeat):
+        spy = Path(args.out).with_suffix("").as_posix() + f"-py-spy-{n}.txt"
+        for i in range(args.repeat):
             for side, runs, run in sides:
-                if args.cuda_api:
+                if args.py_spy and side == "sched" and i == args.repeat - 1:
+                    with recorded(args.py_spy, Path(spy)):
+                        runs.append(run())
+                elif args.cuda_api:
                     with api_calls() as calls:
                         runs.append(run())
                     api[side].append(calls.per(runs[-1][1].steps))
@@ -341,6 +362,9 @@ def main() -> None:
         for k in LOOP:
             print(f"  loop: {k:<14} {'':>8} {'':>8} {row['sched'][k]:>10.3f}")
         print(f"  MLX buffer cache limit: {row['cache_limit_bytes'] / 2**30:.2f} GiB")
+        if args.py_spy:
+            print(f"  py-spy, the scheduler's last run ({spy}): the worker thread between two decode steps:")
+            print("\n".join("    " + line for line in report(Path(spy), "mlx-worker", BETWEEN_STEPS)))
         if api:
             print(f"  CUDA calls a step (calls, ms)  {'bare':>16} {'engine':>16} {'scheduler':>16}")
             for k in sorted({k for side in row["cuda_api"].values() for k in side}):

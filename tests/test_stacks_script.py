@@ -45,3 +45,14 @@ def test_the_report_gives_cores_and_shares(tmp_path: Path, capsys: pytest.Captur
     assert " 0.80  thread (11): mlx-worker" in out
     assert "40.0%  MLXEngine.step" in out  # 80 of 200 samples, with its callee
     assert "Thread._bootstrap" not in out.split("with callees:")[1]
+
+
+def test_one_thread_and_the_stacks_outside_a_frame(tmp_path: Path) -> None:
+    stacks = load_script(SCRIPT, "stacks_script")
+    path = tmp_path / "replica.txt"
+    path.write_text(STACKS)
+    total, threads, own, _ = stacks.read(path, thread="mlx-worker", outside=("KVStore.store_blocks",))
+    assert total == 50 and set(threads) == {"thread (11): mlx-worker"}
+    assert own == {"MLXEngine.step (e.py:3)": 50}  # the 30 samples under store_blocks are out
+    total, threads, _, _ = stacks.read(path, thread="AsyncIO")
+    assert total == 20 and set(threads) == {"thread (12): AsyncIO Thread: default"}

@@ -208,43 +208,13 @@ class GPUWorker(Generic[InfoT]):
         return True
 
     def _loop(self, engine: Engine) -> None:
-        commands = self._commands
         while True:
-            pending: list[WorkerCommand] = []
-            if not engine.has_work():
-                self._queued()
-                if self._held_back:
-                    self._post(self._held_back.pop())
-                pending.append(commands.get())  # idle: block until there is something to do
-            while True:
-                try:
-                    pending.append(commands.get_nowait())
-                except queue.Empty:
-                    break
-            admits: list[Admit] = []
-            aborted: list[int] = []
-            kept: list[tuple[Key, int]] = []
-            stop = False
-            for command in pending:
-                match command:
-                    case Admit():
-                        admits.append(command)
-                    case Abort(rids, keep_sessions):
-                        if keep_sessions:
-                            kept.extend(engine.keep_sessions(rids))
-                        aborted.extend(rids)
-                    case Evict(keys):
-                        engine.evict(keys)  # before inserts: the pool evicted them first
-                    case Shutdown():
-                        stop = True
-            self._inserting = [a.rid for a in admits]
-            engine.insert(admits)
-            self._inserting = []
-            engine.remove(aborted)
+            idle = not engine.has_work()
+            if idle:
+                self._flush()
+            aborted, kept, stop = self._intake(engine, block=idle)
             if stop:
-                self._queued()
-                if self._held_back:
-                    self._post(self._held_back.pop())
+                self._flush()
                 return
             if engine.has_work():
                 t_start = time.perf_counter()
@@ -277,7 +247,50 @@ class GPUWorker(Generic[InfoT]):
             if not handoff and not self._held_back and engine.calls_on_queue and engine.has_work():
                 self._ahead = out  # posted from inside the next step (`_queued`)
                 continue
-            self._handoff.clear()
-            self._post(out)
-            if handoff:
-                self._handoff.wait(HANDOFF_S)
+            self._hand_over(out, handoff)
+
+    def _flush(self) -> None:
+        """Post what is waiting: the output kept for the next step, then the held-back ones."""
+        self._queued()
+        if self._held_back:
+            self._post(self._held_back.pop())
+
+    def _intake(self, engine: Engine, block: bool) -> tuple[list[int], list[tuple[Key, int]], bool]:
+        """Apply the queued commands to the engine (`block`: wait for one first, as when idle):
+        evictions, then inserts, then aborts. Returns the aborted requests, the sessions kept for
+        them, and whether a Shutdown came."""
+        pending: list[WorkerCommand] = [self._commands.get()] if block else []
+        while True:
+            try:
+                pending.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        admits: list[Admit] = []
+        aborted: list[int] = []
+        kept: list[tuple[Key, int]] = []
+        stop = False
+        for command in pending:
+            match command:
+                case Admit():
+                    admits.append(command)
+                case Abort(rids, keep_sessions):
+                    if keep_sessions:
+                        kept.extend(engine.keep_sessions(rids))
+                    aborted.extend(rids)
+                case Evict(keys):
+                    engine.evict(keys)  # before inserts: the pool evicted them first
+                case Shutdown():
+                    stop = True
+        self._inserting = [a.rid for a in admits]
+        engine.insert(admits)
+        self._inserting = []
+        engine.remove(aborted)
+        return aborted, kept, stop
+
+    def _hand_over(self, out: StepOutput, handoff: bool) -> None:
+        """Post a step's output; after a first token (`handoff`), give the loop up to
+        `HANDOFF_S` to deliver it before the next step's graph is built (see `release`)."""
+        self._handoff.clear()
+        self._post(out)
+        if handoff:
+            self._handoff.wait(HANDOFF_S)
