@@ -11,7 +11,8 @@
     generated (ignore_eos), all at once, on 1 and on 2 replicas (each with every `--frontends`
     setting, "auto" by default: 1 and 2 processes on a host of 16 cores or more): generated
     tokens/s, the median of `--tp-repeat` rounds after an untimed one, and each Serve process's
-    share of a core meanwhile.
+    share of a core meanwhile. `--tp-pairs K` deploys one replica, then two, K times in turn, and
+    prints each pair's ratio and their median.
 (c) A replica killed mid-run: `--kill-requests` such requests at `--kill-concurrency` on 2
     replicas; `--kill-after` seconds in, SIGKILL to the replica holding the most. Every request's
     outcome (completed, an error event and its code, a broken stream, an HTTP status), which
@@ -308,6 +309,12 @@ def frontends_arg(text: str) -> int | str:
     return int(text)
 
 
+def pairs_arg(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a count of pairs (1 or more)")
+    return int(text)
+
+
 async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[str, Any]]:
     from ray import serve
 
@@ -318,7 +325,7 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
         return random_prompts(rng, args.tp_requests, args.tp_prompt_tokens, vocab)
 
     conns: list[int] = args.connections
-    for replicas, frontends in [(r, f) for r in (1, 2) for f in args.frontends]:
+    for pair, replicas, frontends in [(k, r, f) for k in range(args.tp_pairs) for r in (1, 2) for f in args.frontends]:
         cfg = config(args, args.tp_memory, frontends=frontends)
         await asyncio.to_thread(deploy, cfg, replicas, device=pick_device(cfg.cluster), listen=args.listen)
         rounds: dict[int, list[float]] = {c: [] for c in conns}
@@ -366,7 +373,7 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
                             + (" (auto)" if frontends == "auto" else "")
                             if len(args.frontends) > 1 or frontends == "auto" else "")
                          + (open_at_once if len(conns) > 1 else ""),
-                         "replicas": replicas, "frontends": frontends, "connections": c or None,
+                         "replicas": replicas, "frontends": frontends, "connections": c or None, "pair": pair,
                          "frontend_processes": cfg.cluster.frontend_count(replicas),
                          "requests": args.tp_requests, "tokens": args.tp_requests * args.tp_max_tokens,
                          "rounds_tokens_per_s": rounds[c], "tokens_per_s": statistics.median(rounds[c]),
@@ -377,16 +384,28 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
             print_row(rows[-1])
         serve.delete(APP_NAME)
     # Against one replica with the same frontends and connections, and with the fewest frontends.
-    ones = {(r["frontends"], r["connections"]): r for r in rows if r["replicas"] == 1}
+    # Each pair on its own: one replica's speed drifts between deployments (SmolLM2 on an H200:
+    # 6,440-9,829 tok/s on two machines) by more than two replicas' did, so a ratio of two
+    # deployments apart says little; several pairs, and the median of their ratios, say more.
+    ones = {(r["pair"], r["frontends"], r["connections"]): r for r in rows if r["replicas"] == 1}
     for two in (r for r in rows if r["replicas"] == 2):
-        one = ones[two["frontends"], two["connections"]]
+        one = ones[two["pair"], two["frontends"], two["connections"]]
         two["speedup"] = two["tokens_per_s"] / one["tokens_per_s"]
-        base = min((r for r in ones.values() if r["connections"] == two["connections"]),
+        base = min((r for (k, _, c), r in ones.items() if k == two["pair"] and c == two["connections"]),
                    key=lambda r: r["frontend_processes"], default=one)
         two["speedup_vs_fewest_frontends"] = two["tokens_per_s"] / base["tokens_per_s"]
-        print(f"  {two['variant']} / {one['variant']} tokens/s (medians): {two['speedup']:.2f}x; "
-              f"/ {base['variant']}: {two['speedup_vs_fewest_frontends']:.2f}x")
+        print(f"  {two['variant']} / {one['variant']} tokens/s (medians){pair_label(args, two)}: "
+              f"{two['speedup']:.2f}x; / {base['variant']}: {two['speedup_vs_fewest_frontends']:.2f}x")
+    if args.tp_pairs > 1:
+        for key in sorted({(r["frontends"], r["connections"]) for r in rows if r["replicas"] == 2}, key=str):
+            ratios = [r["speedup"] for r in rows if r["replicas"] == 2 and (r["frontends"], r["connections"]) == key]
+            print(f"  pairs, frontends {key[0]}, connections {key[1] or 'all'}: "
+                  f"{', '.join(f'{x:.2f}' for x in ratios)}x; median {statistics.median(ratios):.2f}x")
     return rows
+
+
+def pair_label(args: argparse.Namespace, row: dict[str, Any]) -> str:
+    return f", pair {row['pair'] + 1} of {args.tp_pairs}" if args.tp_pairs > 1 else ""
 
 
 async def replacement(client: httpx.AsyncClient, before: set[str], victim: str, limit_s: float) -> float:
@@ -495,6 +514,8 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=1,
                    help="(b) client processes sending each round (one process's parsing caps what it sees)")
     p.add_argument("--tp-repeat", type=int, default=3, help="(b) timed rounds per deployment (the median)")
+    p.add_argument("--tp-pairs", type=pairs_arg, default=1,
+                   help="(b) deploy one replica, then two, this many times in turn: a ratio per pair")
     p.add_argument("--frontends", type=frontends_arg, nargs="+", default=["auto"],
                    help="(b) [cluster] frontends, counts or \"auto\" (the default: one per replica on "
                         "16 cores or more): each a deployment of its own, for 1 and 2 replicas")

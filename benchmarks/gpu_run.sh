@@ -61,7 +61,9 @@
 #               "--cluster stream_feed=false": a [cluster] key for every deployment;
 #               '--model-key dequantize="no"': a [model] key, here SmolLM2 kept quantized;
 #               "--cluster pin_cpus=true": each replica on physical cores of its own; part (b)
-#               prints where each replica's busiest thread ran, and how often two shared a core);
+#               prints where each replica's busiest thread ran, and how often two shared a core;
+#               "--tp-pairs 2": one replica then two, twice in turn, a ratio per pair: one replica's
+#               speed drifted between deployments by more than two replicas');
 #               TP_MAX_TOKENS and TP_REPEAT lengthen (b)'s rounds (64 tokens: a round of 2-4 s, too
 #               short to pin the two-replica ratio down within 10%)
 #   cold-start  benchmarks/cold_start.py: a fresh process's first rounds (256 requests at once) with an
