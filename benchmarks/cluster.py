@@ -383,10 +383,19 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
                          "routing": routing, "gpus": gpus, "placement": where.summary()})
             print_row(rows[-1])
         serve.delete(APP_NAME)
-    # Against one replica with the same frontends and connections, and with the fewest frontends.
+    for line in speedups(rows, args.tp_pairs):
+        print(line)
+    return rows
+
+
+def speedups(rows: list[dict[str, Any]], pairs: int) -> list[str]:
+    """Each two-replica row's ratio to the one-replica row of its pair with the same frontends
+    and connections (`speedup`), and to the one with the fewest frontends; the lines to print,
+    with each setting's median over the pairs."""
     # Each pair on its own: one replica's speed drifts between deployments (SmolLM2 on an H200:
     # 6,440-9,829 tok/s on two machines) by more than two replicas' did, so a ratio of two
     # deployments apart says little; several pairs, and the median of their ratios, say more.
+    lines = []
     ones = {(r["pair"], r["frontends"], r["connections"]): r for r in rows if r["replicas"] == 1}
     for two in (r for r in rows if r["replicas"] == 2):
         one = ones[two["pair"], two["frontends"], two["connections"]]
@@ -394,18 +403,15 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
         base = min((r for (k, _, c), r in ones.items() if k == two["pair"] and c == two["connections"]),
                    key=lambda r: r["frontend_processes"], default=one)
         two["speedup_vs_fewest_frontends"] = two["tokens_per_s"] / base["tokens_per_s"]
-        print(f"  {two['variant']} / {one['variant']} tokens/s (medians){pair_label(args, two)}: "
-              f"{two['speedup']:.2f}x; / {base['variant']}: {two['speedup_vs_fewest_frontends']:.2f}x")
-    if args.tp_pairs > 1:
+        which = f", pair {two['pair'] + 1} of {pairs}" if pairs > 1 else ""
+        lines.append(f"  {two['variant']} / {one['variant']} tokens/s (medians){which}: "
+                     f"{two['speedup']:.2f}x; / {base['variant']}: {two['speedup_vs_fewest_frontends']:.2f}x")
+    if pairs > 1:
         for key in sorted({(r["frontends"], r["connections"]) for r in rows if r["replicas"] == 2}, key=str):
             ratios = [r["speedup"] for r in rows if r["replicas"] == 2 and (r["frontends"], r["connections"]) == key]
-            print(f"  pairs, frontends {key[0]}, connections {key[1] or 'all'}: "
-                  f"{', '.join(f'{x:.2f}' for x in ratios)}x; median {statistics.median(ratios):.2f}x")
-    return rows
-
-
-def pair_label(args: argparse.Namespace, row: dict[str, Any]) -> str:
-    return f", pair {row['pair'] + 1} of {args.tp_pairs}" if args.tp_pairs > 1 else ""
+            lines.append(f"  pairs, frontends {key[0]}, connections {key[1] or 'all'}: "
+                         f"{', '.join(f'{x:.2f}' for x in ratios)}x; median {statistics.median(ratios):.2f}x")
+    return lines
 
 
 async def replacement(client: httpx.AsyncClient, before: set[str], victim: str, limit_s: float) -> float:
