@@ -19,12 +19,15 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from metrics import configure_logging, percentile
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -100,10 +103,12 @@ def engine_loop(model: object, vocab: int, prompts: list[list[int]], concurrency
 async def scheduler_run(config: SchedulerConfig, prompts: list[list[int]], concurrency: int,
                         max_tokens: int, ticker: bool = True,
                         where: dict[str, float] | None = None,
-                        stream: bool = False) -> tuple[int, float, list[float]]:
+                        stream: bool = False,
+                        on_start: Callable[[], None] | None = None) -> tuple[int, float, list[float]]:
     """Our side. `where`, if given, receives the time per step: steps, the worker's step (ms),
     and the event loop's CPU time (ms), to attribute a gap to the bare loop. `stream`: clients
-    iterate `generate` (a chunk per step each) instead of awaiting `complete`."""
+    iterate `generate` (a chunk per step each) instead of awaiting `complete`. `on_start` is
+    called once the scheduler is up, right before the timed requests."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     lags: list[float] = []
     async with Scheduler(config) as sched:
@@ -127,6 +132,8 @@ async def scheduler_run(config: SchedulerConfig, prompts: list[list[int]], concu
                 await anyio.sleep(0.001)
                 lags.append(time.perf_counter() - t - 0.001)
 
+        if on_start is not None:
+            on_start()
         start = time.perf_counter()
         async with anyio.create_task_group() as tg:
             if ticker:
