@@ -59,7 +59,8 @@
 #               "--clients 4": each round sent by 4 client processes, as one caps at ~2,000 tok/s;
 #               "--frontends 1 2": each deployment with one frontend process, then two;
 #               "--cluster stream_feed=false": a [cluster] key for every deployment;
-#               '--model-key dequantize="no"': a [model] key, here SmolLM2 kept quantized;
+#               '--model-key dequantize="no"': a [model] key, here SmolLM2 kept quantized (on a
+#               fresh H200 its kernels took over 4.5 minutes to build: give it LIMIT_S=900);
 #               "--cluster pin_cpus=true": each replica on physical cores of its own; part (b)
 #               prints where each replica's busiest thread ran, and how often two shared a core;
 #               "--tp-pairs 2": one replica then two, twice in turn, a ratio per pair: one replica's
