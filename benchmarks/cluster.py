@@ -161,14 +161,43 @@ async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
 
 
 async def run_all(client: httpx.AsyncClient, prompts: list[list[int]], max_tokens: int,
-                  concurrency: int, ignore_eos: bool = False) -> list[tuple[float, int, str]]:
+                  concurrency: int, ignore_eos: bool = False,
+                  spans: list[tuple[float, float, str]] | None = None) -> list[tuple[float, int, str]]:
+    """Each prompt's (TTFT, tokens, replica), `concurrency` at a time; `spans` receives each
+    request's (start, end, replica) on the monotonic clock."""
     sem = asyncio.Semaphore(concurrency)
 
     async def go(p: list[int]) -> tuple[float, int, str]:
         async with sem:
-            return await one(client, p, max_tokens, ignore_eos)
+            t0 = time.perf_counter()
+            out = await one(client, p, max_tokens, ignore_eos)
+            if spans is not None:
+                spans.append((t0, time.perf_counter(), out[2]))
+            return out
 
     return list(await asyncio.gather(*(go(p) for p in prompts)))
+
+
+def imbalance(spans: list[tuple[float, float, str]], replicas: int) -> tuple[float, int]:
+    """How unevenly the requests in flight were spread over `replicas` replicas while they ran:
+    the time-weighted mean, and the largest, difference between the most and the fewest in
+    flight on one (a replica that served none counts, with none). A router that keeps each
+    prefix on one replica can pile the requests of a few hot prefixes on it while another
+    idles; this shows it from the client."""
+    if replicas < 2 or not spans:
+        return 0.0, 0
+    events = sorted([(t0, 1, r) for t0, _, r in spans] + [(t1, -1, r) for _, t1, r in spans])
+    now = dict.fromkeys(sorted({r for _, _, r in spans}), 0)
+    idle = len(now) < replicas  # a replica that served nothing: the fewest is always 0
+    weighted = total = 0.0
+    worst = 0
+    for (t, step, r), nxt in zip(events, events[1:] + [events[-1]], strict=True):
+        now[r] += step
+        gap = max(now.values()) - (0 if idle else min(now.values()))
+        worst = max(worst, gap)
+        weighted += gap * (nxt[0] - t)
+        total += nxt[0] - t
+    return (weighted / total if total else 0.0), worst
 
 
 def _client_round(url: str, prompts: list[list[int]], max_tokens: int,
@@ -223,8 +252,11 @@ async def part_a(args: argparse.Namespace, url: str, facts: tuple[int, int, int]
                 q0, h0 = await counters(client)
                 picks = [prefixes[rng.randrange(k)] for _ in range(args.requests)]
                 t0 = time.perf_counter()
-                out = await run_all(client, [prompt(p) for p in picks], args.max_tokens, args.concurrency)
+                spans: list[tuple[float, float, str]] = []
+                out = await run_all(client, [prompt(p) for p in picks], args.max_tokens, args.concurrency,
+                                    spans=spans)
                 wall = time.perf_counter() - t0
+                gap_mean, gap_max = imbalance(spans, replicas)
                 q1, h1 = await counters(client)
                 ttfts = [o[0] * 1000 for o in out]
                 spread: dict[str, int] = {}
@@ -233,7 +265,8 @@ async def part_a(args: argparse.Namespace, url: str, facts: tuple[int, int, int]
                 rows.append({"part": "a", "variant": name, "replicas": replicas, "ratio": ratio,
                              "prefixes": k, "requests": len(out), "hit_rate": (h1 - h0) / max(1, q1 - q0),
                              "ttft_p50_ms": statistics.median(ttfts), "ttft_p99_ms": percentile(ttfts, 0.99),
-                             "wall_s": wall, "per_replica": sorted(spread.values())})
+                             "wall_s": wall, "per_replica": sorted(spread.values()),
+                             "in_flight_gap_mean": gap_mean, "in_flight_gap_max": gap_max})
                 print_row(rows[-1])
         serve.delete(APP_NAME)
     return rows
@@ -479,7 +512,8 @@ def print_row(r: dict[str, Any]) -> None:
               f"afterwards {r['check_per_replica']}", flush=True)
     elif r["part"] == "a":
         print(f"  ratio {r['ratio']:<4} {r['variant']:<13} prefixes {r['prefixes']:>3}  hit {r['hit_rate']:6.1%}  "
-              f"TTFT p50 {r['ttft_p50_ms']:7.1f} ms  p99 {r['ttft_p99_ms']:7.1f} ms  per replica {r['per_replica']}",
+              f"TTFT p50 {r['ttft_p50_ms']:7.1f} ms  p99 {r['ttft_p99_ms']:7.1f} ms  per replica {r['per_replica']}"
+              f"  in flight, most - fewest: mean {r['in_flight_gap_mean']:.1f}, max {r['in_flight_gap_max']}",
               flush=True)
     else:
         each = ", ".join(f"{x:.0f}" for x in r["rounds_tokens_per_s"])

@@ -32,3 +32,15 @@ def test_one_pair_prints_no_pair_count_and_compares_with_the_fewest_frontends() 
     assert [r["speedup"] for r in rows if r["replicas"] == 2] == [11000 / 5000, 2.0]
     assert rows[3]["speedup_vs_fewest_frontends"] == 12000 / 5000
     assert len(lines) == 2 and "pair" not in " ".join(lines)
+
+
+def test_in_flight_imbalance_is_time_weighted_and_counts_an_idle_replica() -> None:
+    cluster = load_script(SCRIPT, "cluster_script")
+    # 0-10 s: one request on each replica; 10-20 s: three on a, none on b.
+    spans = [(0.0, 10.0, "a"), (0.0, 10.0, "b"), (10.0, 20.0, "a"), (10.0, 20.0, "a"), (10.0, 20.0, "a")]
+    mean, worst = cluster.imbalance(spans, 2)
+    assert worst == 3 and abs(mean - 1.5) < 1e-9  # 0 for 10 s, 3 for 10 s
+    # Every request on one replica of two: the other, with none, counts.
+    mean, worst = cluster.imbalance([(0.0, 4.0, "a"), (0.0, 4.0, "a")], 2)
+    assert (mean, worst) == (2.0, 2)
+    assert cluster.imbalance([(0.0, 4.0, "a")], 1) == (0.0, 0)  # one replica: nothing to spread
