@@ -56,3 +56,15 @@ def test_one_thread_and_the_stacks_outside_a_frame(tmp_path: Path) -> None:
     assert own == {"MLXEngine.step (e.py:3)": 50}  # the 30 samples under store_blocks are out
     total, threads, _, _ = stacks.read(path, thread="AsyncIO")
     assert total == 20 and set(threads) == {"thread (12): AsyncIO Thread: default"}
+
+
+def test_the_report_gives_the_share_outside_a_frame_and_its_functions(tmp_path: Path) -> None:
+    stacks = load_script(SCRIPT, "stacks_script")
+    path = tmp_path / "replica.txt"
+    path.write_text(STACKS)
+    lines = stacks.report(path, "mlx-worker", ("KVStore.store_blocks",), top=3)
+    assert lines[0].startswith("50 of the thread's 80 samples (62.5%)")
+    assert "100.0%  MLXEngine.step (e.py:3)" in lines[1]
+    callees = lines[lines.index("with callees:") + 1:]
+    assert any("100.0%  GPUWorker._loop" in line for line in callees)
+    assert not any("Thread._bootstrap" in line for line in callees)  # on every stack: left out
