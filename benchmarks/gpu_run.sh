@@ -28,9 +28,10 @@
 #               phase, with the worker's GIL wait; $HOST_ARGS adds options ("--switch-interval 0.0005").
 #               At 256 streams on an H100 the scheduler's tok/s swing by up to 2x between runs, in the
 #               worker's step (docs/host-cost.md): this says whether that step waits for the GIL.
-#               HOST_ARGS="--py-spy /tmp/site/bin/py-spy" samples the scheduler's last run at each
-#               level and prints where the worker's time between two steps went (on a fresh machine
-#               the first runs compile kernels: sample a measured run, never a fixed delay from start)
+#               HOST_ARGS="--py-spy /tmp/site/bin/py-spy" samples one more scheduler run at each
+#               level (after the measured ones; in no figure) and prints where the worker's time
+#               between two steps went (on a fresh machine the first runs compile kernels: sample a
+#               measured-size run after warm ones, never a fixed delay from the process's start)
 #   one-stream  benchmarks/one_stream.py: one request at a time, stream_generate / bare loop /
 #               engine adapter / scheduler, TTFT and ITL, with a trace of each hop
 # Time limits: LIMIT_S (any stage), SETTINGS_S, SINGLE_S, SETTINGS8B_S. The 2026-11-23 run used

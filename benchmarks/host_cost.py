@@ -32,10 +32,11 @@ The clocks cost both sides alike (a few µs a phase), so tok/s here are below `o
     python benchmarks/host_cost.py --model synthetic:tiny --concurrency 1
     python benchmarks/host_cost.py --model synthetic:llama-3.2-1b --concurrency 64   # on a GPU
 
-Prints a table per concurrency and writes JSON (`--out`). `--py-spy PATH` also samples the
-scheduler side's last run at each concurrency with py-spy (native frames included) into
-`<out>-py-spy-<N>.txt`, and prints where the worker thread's samples between two decode steps
-went (`benchmarks/stacks.py` reads the file further).
+Prints a table per concurrency and writes JSON (`--out`). `--py-spy PATH` also runs the
+scheduler side once more at each concurrency, sampled by py-spy (native frames included; the
+sampling slows it, so that run counts in no figure), into `<out>-py-spy-<N>.txt`, and prints where
+the worker thread's samples between two decode steps went (`benchmarks/stacks.py` reads the file
+further).
 """
 
 from __future__ import annotations
@@ -287,7 +288,7 @@ def main() -> None:
                     help="count each side's CUDA runtime calls a step (launches, allocations, frees, "
                          "waits) with PyTorch's profiler (cuda_api.py); needs PyTorch beside MLX")
     ap.add_argument("--py-spy", default="", metavar="PATH",
-                    help="py-spy's path: sample the scheduler side's last run at each concurrency")
+                    help="py-spy's path: sample one more run of the scheduler side at each concurrency")
     ap.add_argument("--out", default="benchmarks/results/host_cost.json")
     args = ap.parse_args()
     if args.switch_interval is not None:
@@ -323,22 +324,23 @@ def main() -> None:
         alone: list[tuple[float, Clocks]] = []
         ours: list[tuple[float, Clocks]] = []
         api: dict[str, list[dict[str, tuple[float, float]]]] = defaultdict(list)
+        sched_run = functools.partial(ours_counted, config, prompts, n, args.max_tokens, args.stream)
         sides = (("bare", bare, functools.partial(bare_counted, model, prompts, n, args.max_tokens, w)),
                  ("engine", alone, functools.partial(engine_counted, model, prompts, n, args.max_tokens, w,
                                                      info.vocab_size)),
-                 ("sched", ours, functools.partial(ours_counted, config, prompts, n, args.max_tokens, args.stream)))
+                 ("sched", ours, sched_run))
         spy = Path(args.out).with_suffix("").as_posix() + f"-py-spy-{n}.txt"
-        for i in range(args.repeat):
+        for _ in range(args.repeat):
             for side, runs, run in sides:
-                if args.py_spy and side == "sched" and i == args.repeat - 1:
-                    with recorded(args.py_spy, Path(spy)):
-                        runs.append(run())
-                elif args.cuda_api:
+                if args.cuda_api:
                     with api_calls() as calls:
                         runs.append(run())
                     api[side].append(calls.per(runs[-1][1].steps))
                 else:
                     runs.append(run())
+        if args.py_spy:  # a run of its own: sampling slows the process, so it counts in no median
+            with recorded(args.py_spy, Path(spy)):
+                sched_run()
         row = {
             "concurrency": n,
             "bare_tok_s": statistics.median(t for t, _ in bare),
@@ -371,7 +373,7 @@ def main() -> None:
             print(f"  loop: {k:<14} {'':>8} {'':>8} {row['sched'][k]:>10.3f}")
         print(f"  MLX buffer cache limit: {row['cache_limit_bytes'] / 2**30:.2f} GiB")
         if args.py_spy:
-            print(f"  py-spy, the scheduler's last run ({spy}): the worker thread between two decode steps:")
+            print(f"  py-spy, one more scheduler run ({spy}): the worker thread between two decode steps:")
             print("\n".join("    " + line for line in report(Path(spy), "mlx-worker", BETWEEN_STEPS)))
         if api:
             print(f"  CUDA calls a step (calls, ms)  {'bare':>16} {'engine':>16} {'scheduler':>16}")
