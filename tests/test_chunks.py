@@ -1,4 +1,5 @@
-"""One request's chunk channel: what wakes a caller that waits for the final chunk."""
+"""One request's chunk channel: what wakes a caller that waits for a chunk or for the final one, on
+asyncio (a bare future of the loop) and trio (an anyio Event) alike."""
 
 from __future__ import annotations
 
@@ -42,3 +43,36 @@ async def test_only_a_final_chunk_or_the_end_wakes_a_wait_for_the_final() -> Non
     with anyio.move_on_after(0.05) as scope:
         await recv.wait_final()  # the final was taken: it waits again
     assert scope.cancelled_caught
+
+
+async def test_a_wait_is_woken_by_a_chunk_survives_a_cancelled_one_and_ends_at_the_close() -> None:
+    send, recv = chunk_channel()
+    got: list[Chunk] = []
+
+    async def take() -> None:
+        got.append(await recv.receive())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(take)
+        await anyio.wait_all_tasks_blocked()
+        assert got == []  # nothing sent yet: it waits
+        send.send_nowait(Chunk(1, "a", [5]))
+    assert [c.token_ids for c in got] == [[5]]
+
+    with anyio.move_on_after(0.05) as scope:
+        await recv.receive()  # cancelled while it waits
+    assert scope.cancelled_caught
+    send.send_nowait(Chunk(1, "b", [6]))  # waking the cancelled wait is harmless
+    with anyio.fail_after(1):
+        assert (await recv.receive()).token_ids == [6]
+
+    async def until_end() -> None:
+        with pytest.raises(anyio.EndOfStream):
+            await recv.receive()
+        got.append(Chunk(1, "end", []))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(until_end)
+        await anyio.wait_all_tasks_blocked()
+        send.close()
+    assert got[-1].text == "end"
