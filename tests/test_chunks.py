@@ -3,6 +3,8 @@ asyncio (a bare future of the loop) and trio (an anyio Event) alike."""
 
 from __future__ import annotations
 
+import asyncio
+
 import anyio
 import pytest
 
@@ -45,7 +47,7 @@ async def test_only_a_final_chunk_or_the_end_wakes_a_wait_for_the_final() -> Non
     assert scope.cancelled_caught
 
 
-async def test_a_wait_is_woken_by_a_chunk_survives_a_cancelled_one_and_ends_at_the_close() -> None:
+async def test_a_wait_is_woken_by_a_chunk_survives_a_cancelled_one_and_ends_at_the_close(anyio_backend: str) -> None:
     send, recv = chunk_channel()
     got: list[Chunk] = []
 
@@ -56,6 +58,8 @@ async def test_a_wait_is_woken_by_a_chunk_survives_a_cancelled_one_and_ends_at_t
         tg.start_soon(take)
         await anyio.wait_all_tasks_blocked()
         assert got == []  # nothing sent yet: it waits
+        # asyncio: a future of the running loop; trio: an anyio Event
+        assert isinstance(recv._s.waiter, asyncio.Future) == (anyio_backend == "asyncio")
         send.send_nowait(Chunk(1, "a", [5]))
     assert [c.token_ids for c in got] == [[5]]
 

@@ -11,6 +11,7 @@ never blocks, so the actor bounds what it sends (`max_tokens + 2` chunks at most
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,9 +33,18 @@ class ChunkOut(Protocol):
 
 
 def _running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
+    """The asyncio loop this task runs on; None on trio (trio first, as `workers.bridge` asks:
+    under trio-asyncio both answer)."""
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+            return None
+        except RuntimeError:
+            pass  # trio is imported but this is not its loop
     try:
         return asyncio.get_running_loop()
-    except RuntimeError:  # not on asyncio (trio)
+    except RuntimeError:
         return None
 
 
