@@ -73,17 +73,25 @@ def recorded(py_spy: str, path: Path, rate: int = 100) -> Iterator[None]:
             raise RuntimeError(f"py-spy wrote no {path}: {err.strip()[-400:]}")
 
 
+def ranked(total: int, own: Counter[str], within: Counter[str], top: int,
+           width: int = 100) -> tuple[list[str], list[str]]:
+    """Lines of the `top` functions by their share of `total` samples: as the own frame, then
+    with callees (the plumbing on every stack left out)."""
+    def line(name: str, n: int) -> str:
+        return f"  {n / max(total, 1):5.1%}  {name[:width]}"
+
+    callers = [(name, n) for name, n in within.most_common() if not name.startswith(PLUMBING)]
+    return [line(name, n) for name, n in own.most_common(top)], [line(name, n) for name, n in callers[:top]]
+
+
 def report(path: Path, thread: str = "", outside: tuple[str, ...] = (), top: int = 8) -> list[str]:
     """Lines: the samples of `thread` outside `outside` against all of that thread's, then the
     functions holding the most of them, by own frame and with callees."""
     every, _, _, _ = read(path, thread)
     total, _, own, within = read(path, thread, outside)
-    lines = [f"{total} of the thread's {every} samples ({total / max(every, 1):.1%}); own frames:"]
-    lines += [f"  {n / max(total, 1):5.1%}  {name[:110]}" for name, n in own.most_common(top)]
-    lines.append("with callees:")
-    callers = [(name, n) for name, n in within.most_common() if not name.startswith(PLUMBING)]
-    lines += [f"  {n / max(total, 1):5.1%}  {name[:110]}" for name, n in callers[:top]]
-    return lines
+    mine, callees = ranked(total, own, within, top, width=110)
+    return [f"{total} of the thread's {every} samples ({total / max(every, 1):.1%}); own frames:",
+            *mine, "with callees:", *callees]
 
 
 def main() -> None:
@@ -101,13 +109,8 @@ def main() -> None:
         print(f"{path.name}: {total / whole:.2f} of a core")
         for name, n in threads.most_common(args.top):
             print(f"  {n / whole:5.2f}  {name[:100]}")
-        print("  own frames (share of the file's samples):")
-        for name, n in own.most_common(args.top):
-            print(f"  {n / max(total, 1):5.1%}  {name[:100]}")
-        print("  with callees:")
-        callers = [(name, n) for name, n in within.most_common() if not name.startswith(PLUMBING)]
-        for name, n in callers[:args.top]:
-            print(f"  {n / max(total, 1):5.1%}  {name[:100]}")
+        mine, callees = ranked(total, own, within, args.top)
+        print("\n".join(["  own frames (share of the file's samples):", *mine, "  with callees:", *callees]))
 
 
 if __name__ == "__main__":
