@@ -23,10 +23,9 @@ class LoopCaller:
     `fn(*args)` on the loop and returns at once."""
 
     def __init__(self) -> None:
-        trio = sys.modules.get("trio")
-        token = _trio_token(trio)
-        if trio is not None and token is not None:
-            self._closed_errors: tuple[type[BaseException], ...] = (trio.RunFinishedError,)
+        token = trio_token()
+        if token is not None:
+            self._closed_errors: tuple[type[BaseException], ...] = (sys.modules["trio"].RunFinishedError,)
             self._soon: Callable[..., Any] = token.run_sync_soon
         else:
             self._closed_errors = (RuntimeError,)  # asyncio: "Event loop is closed"
@@ -39,8 +38,10 @@ class LoopCaller:
             raise LoopClosed(str(exc)) from exc
 
 
-def _trio_token(trio: Any) -> Any:
-    """The running trio loop's token, or None when this is not a trio loop."""
+def trio_token() -> Any:
+    """The running trio loop's token, or None when this is not a trio loop (asked first: under
+    trio-asyncio an asyncio loop runs too)."""
+    trio = sys.modules.get("trio")
     if trio is None:
         return None
     try:

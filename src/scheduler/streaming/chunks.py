@@ -11,11 +11,12 @@ never blocks, so the actor bounds what it sends (`max_tokens + 2` chunks at most
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
+
+from workers.bridge import trio_token
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -33,15 +34,9 @@ class ChunkOut(Protocol):
 
 
 def _running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
-    """The asyncio loop this task runs on; None on trio (trio first, as `workers.bridge` asks:
-    under trio-asyncio both answer)."""
-    trio = sys.modules.get("trio")
-    if trio is not None:
-        try:
-            trio.lowlevel.current_trio_token()
-            return None
-        except RuntimeError:
-            pass  # trio is imported but this is not its loop
+    """The asyncio loop this task runs on; None on trio."""
+    if trio_token() is not None:
+        return None
     try:
         return asyncio.get_running_loop()
     except RuntimeError:
