@@ -67,7 +67,7 @@ memory = {memory}
 block_tokens = {block_tokens}
 [worker]
 max_batch = {max_batch}
-[cluster]
+{worker_keys}[cluster]
 num_cpus = {cpus}
 device = "{device}"
 gpus_per_replica = {gpus}
@@ -84,7 +84,8 @@ def config(args: argparse.Namespace, memory: int | str, routing: str = "cache-aw
                        max_batch=args.max_batch, cpus=args.cpus_per_replica, device=args.device,
                        gpus=args.gpus_per_replica, routing=routing,
                        frontends=f'"{frontends}"' if isinstance(frontends, str) else frontends,
-                       model_keys="".join(f"{item}\n" for item in args.model_key))
+                       model_keys="".join(f"{item}\n" for item in args.model_key),
+                       worker_keys="".join(f"{item}\n" for item in args.worker_key))
     text += "".join(f"{item}\n" for item in args.cluster)  # more [cluster] keys, TOML values
     return SchedulerConfig.from_toml(text)
 
@@ -565,6 +566,9 @@ def main() -> None:
     p.add_argument("--model-key", action="append", default=[], metavar="KEY=VALUE",
                    help='a [model] key for every deployment, its value in TOML (e.g. dequantize="no": '
                         "a quantized model kept so); repeatable")
+    p.add_argument("--worker-key", action="append", default=[], metavar="KEY=VALUE",
+                   help='a [worker] key for every deployment, its value in TOML (e.g. cuda_graphs="on"); '
+                        "repeatable")
     p.add_argument("--kill-requests", type=int, default=256)
     p.add_argument("--kill-concurrency", type=int, default=64)
     p.add_argument("--kill-after", type=float, default=3.0)

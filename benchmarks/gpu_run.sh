@@ -29,9 +29,11 @@
 #               At 256 streams on an H100 the scheduler's tok/s swing by up to 2x between runs, in the
 #               worker's step (docs/host-cost.md): this says whether that step waits for the GIL.
 #               HOST_ARGS="--py-spy /tmp/site/bin/py-spy" samples one more scheduler run at each
-#               level (after the measured ones; in no figure) and prints where the worker's time
-#               between two steps went (on a fresh machine the first runs compile kernels: sample a
-#               measured-size run after warm ones, never a fixed delay from the process's start)
+#               level (after the measured ones, on 3x the prompts, from its first timed request: not
+#               the scheduler's start; in no figure) and prints where the worker's time between two
+#               steps went (on a fresh machine the first runs compile kernels: never sample a fixed
+#               delay from the process's start). Fetch $OUT in the call that sees the job end: a
+#               machine left idle 30 s is given back with its files
 #   one-stream  benchmarks/one_stream.py: one request at a time, stream_generate / bare loop /
 #               engine adapter / scheduler, TTFT and ITL, with a trace of each hop
 # Time limits: LIMIT_S (any stage), SETTINGS_S, SINGLE_S, SETTINGS8B_S. The 2026-11-23 run used
@@ -60,6 +62,7 @@
 #               "--clients 4": each round sent by 4 client processes, as one caps at ~2,000 tok/s;
 #               "--frontends 1 2": each deployment with one frontend process, then two;
 #               "--cluster stream_feed=false": a [cluster] key for every deployment;
+#               '--worker-key cuda_graphs="on"': a [worker] key for every deployment;
 #               '--model-key dequantize="no"': a [model] key, here SmolLM2 kept quantized (on a
 #               fresh H200 its kernels took over 4.5 minutes to build: give it LIMIT_S=900);
 #               "--cluster pin_cpus=true": each replica on physical cores of its own; part (b)
@@ -125,7 +128,7 @@ for s in "${stages[@]}"; do
         timeout "$limit" python3 -P benchmarks/decode_step.py --model "synthetic:$m" --profile \
           --batches ${BATCHES:-1 8 64} --out "$out/decode-$m.json" ;;
       overhead)
-        timeout "$limit" python3 -P benchmarks/overhead.py --model "synthetic:$m" --concurrency ${CONCURRENCY:-1 8 32 64 128 256} \
+        timeout "$limit" python3 -P benchmarks/overhead.py --model "$(spec "$m")" --concurrency ${CONCURRENCY:-1 8 32 64 128 256} \
           --prompt-tokens 128 --max-tokens 64 --waves ${WAVES:-2} --min-requests ${MIN_REQUESTS:-64} --warmup 1 ${OVERHEAD_ARGS:-} \
           --out "$out/overhead-$m.json" ;;
       peers-low)
@@ -135,7 +138,7 @@ for s in "${stages[@]}"; do
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency 64 128 256 --warmup 1 \
           --backends bare scheduler mlx_lm.server --out "$out/peers-high-$m.json" ;;
       host-cost)
-        timeout "$limit" python3 -P benchmarks/host_cost.py --model "synthetic:$m" --concurrency ${HOST_CONC:-256} \
+        timeout "$limit" python3 -P benchmarks/host_cost.py --model "$(spec "$m")" --concurrency ${HOST_CONC:-256} \
           --prompt-tokens 128 --max-tokens 64 --repeat ${REPEAT:-3} ${HOST_ARGS:-} --out "$out/host-cost-$m.json" ;;
       stall)
         for c in ${STALL_CONC:-32 64}; do
@@ -176,7 +179,7 @@ for s in "${stages[@]}"; do
         PEERS_KV_MEMORY=40GiB timeout "$limit" python3 -P benchmarks/peers.py --model "$dir" --concurrency ${SERVED_CONC:-1 8 64} \
           --warmup 1 --backends served mlx_lm.server --out "$out/served-llama-3.1-8b.json" ;;
       attribute)
-        timeout "$limit" python3 -P benchmarks/overhead.py --model "synthetic:$m" --concurrency 64 \
+        timeout "$limit" python3 -P benchmarks/overhead.py --model "$(spec "$m")" --concurrency 64 \
           --prompt-tokens 128 --max-tokens 64 --waves 4 --warmup 1 --attribute --out "$out/attribute-$m.json" ;;
       quant)
         [ "$m" = "${models[0]}" ] || continue

@@ -33,8 +33,9 @@ The clocks cost both sides alike (a few µs a phase), so tok/s here are below `o
     python benchmarks/host_cost.py --model synthetic:llama-3.2-1b --concurrency 64   # on a GPU
 
 Prints a table per concurrency and writes JSON (`--out`). `--py-spy PATH` also runs the
-scheduler side once more at each concurrency, sampled by py-spy (native frames included; the
-sampling slows it, so that run counts in no figure), into `<out>-py-spy-<N>.txt`, and prints where
+scheduler side once more at each concurrency on three times the prompts, sampled by py-spy from
+its first timed request on (native frames included; the sampling slows it, so that run counts
+in no figure), into `<out>-py-spy-<N>.txt`, and prints where
 the worker thread's samples between two decode steps went (`benchmarks/stacks.py` reads the file
 further).
 """
@@ -42,6 +43,7 @@ further).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -51,7 +53,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -59,6 +61,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_api import api_calls  # noqa: E402
 from overhead import bare_loop, engine_loop, make_prompts, scheduler_run  # noqa: E402
 from stacks import recorded, report  # noqa: E402
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 BETWEEN_STEPS = ("next (mlx_lm", "next_alone (")
 """Frames of a decode step: the worker's stacks without them are its time between two steps."""
@@ -245,10 +250,12 @@ def engine_counted(model: Any, prompts: list[list[int]], n: int, max_tokens: int
     return tokens / seconds, clocks
 
 
-def ours_counted(config: Any, prompts: list[list[int]], n: int, max_tokens: int, stream: bool) -> tuple[float, Clocks]:
+def ours_counted(config: Any, prompts: list[list[int]], n: int, max_tokens: int, stream: bool,
+                 also: Callable[[], None] | None = None) -> tuple[float, Clocks]:
     """The scheduler, its clocks started once it is up: on CUDA its start steps the engine
     (`warm_engine`) and then builds the tokenizer's codec on the worker thread, and counted,
-    that startup came to 2-2.6 ms a step of "post + commands" and part of `async_eval`."""
+    that startup came to 2-2.6 ms a step of "post + commands" and part of `async_eval`.
+    `also` runs then too, on the event loop (before the first timed request)."""
     global CLOCKS
     clocks = Clocks()
     where: dict[str, float] = {}
@@ -256,6 +263,8 @@ def ours_counted(config: Any, prompts: list[list[int]], n: int, max_tokens: int,
     def start() -> None:
         global CLOCKS
         CLOCKS = clocks
+        if also is not None:
+            also()
 
     try:
         tokens, seconds, _ = anyio.run(scheduler_run, config, prompts, n, max_tokens, False, where, stream, start)
@@ -263,6 +272,17 @@ def ours_counted(config: Any, prompts: list[list[int]], n: int, max_tokens: int,
         CLOCKS = None
     clocks.loop_cpu = where["loop_cpu_ms"] * where["steps"] / 1e3
     return tokens / seconds, clocks
+
+
+def sampled_run(py_spy: str, path: Path, config: Any, prompts: list[list[int]], n: int, max_tokens: int,
+                stream: bool) -> None:
+    """One scheduler run sampled by py-spy from its first timed request to its end. Sampled from
+    the process's start, a run on a fresh GPU host was mostly the model's load, the kernels'
+    builds and the tokenizer's tables (2026-11-27): the prompts should make a run of several
+    seconds past py-spy's attach."""
+    with contextlib.ExitStack() as stack:
+        ours_counted(config, prompts, n, max_tokens, stream,
+                     also=lambda: stack.enter_context(recorded(py_spy, path, settle=0.0)))
 
 
 def median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -339,8 +359,7 @@ def main() -> None:
                 else:
                     runs.append(run())
         if args.py_spy:  # a run of its own: sampling slows the process, so it counts in no median
-            with recorded(args.py_spy, Path(spy)):
-                sched_run()
+            sampled_run(args.py_spy, Path(spy), config, prompts * 3, n, args.max_tokens, args.stream)
         row = {
             "concurrency": n,
             "bare_tok_s": statistics.median(t for t, _ in bare),

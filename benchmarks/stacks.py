@@ -50,16 +50,18 @@ def read(path: Path, thread: str = "", outside: tuple[str, ...] = ()
 
 
 @contextlib.contextmanager
-def recorded(py_spy: str, path: Path, rate: int = 100) -> Iterator[None]:
+def recorded(py_spy: str, path: Path, rate: int = 100, settle: float = 1.0) -> Iterator[None]:
     """py-spy samples this process (native frames too, every thread) while the block runs, into
-    `path` (collapsed stacks). py-spy needs the right to trace it: root, or ptrace_scope 0."""
+    `path` (collapsed stacks). py-spy needs the right to trace it: root, or ptrace_scope 0.
+    `settle`: seconds to wait for it to attach before the block (what runs before is not sampled;
+    0 where the block runs long past the attach, entered from an event loop)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         [py_spy, "record", "--pid", str(os.getpid()), "--threads", "--native", "--format", "raw",
          "--rate", str(rate), "--output", str(path)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
-    time.sleep(1.0)  # attaching takes a moment; what runs before is not sampled
+    time.sleep(settle)
     try:
         yield
     finally:

@@ -38,3 +38,66 @@ def test_the_schedulers_clocks_leave_its_start_out(tmp_path: Path, model_cache: 
     assert row["sched_steps"] == row["engine_steps"]
     # The worker's time between steps is Python of well under a millisecond a step here.
     assert row["sched"]["post + commands"] < 1.0
+
+
+# py-spy stand-in: notes when it started and which process it was given, writes one stack when
+# interrupted (as py-spy writes what it has on SIGINT).
+FAKE_PY_SPY = """
+import json, signal, sys, time
+args = sys.argv[1:]
+out = args[args.index("--output") + 1]
+note = {"started": time.time(), "pid": int(args[args.index("--pid") + 1])}
+
+def stop(*_):
+    with open(out, "w") as f:
+        f.write("thread (1): mlx-worker;GPUWorker._loop (w.py:1) 1\\n")
+    with open(out + ".json", "w") as f:
+        json.dump(note, f)
+    sys.exit(0)
+
+signal.signal(signal.SIGINT, stop)
+while True:
+    time.sleep(0.05)
+"""
+
+# A sampled run with the CUDA start's engine warm-up forced, its end noted.
+RUN_SAMPLED = """
+import json, os, runpy, sys, time
+from pathlib import Path
+import workers.factory
+workers.factory.on_cuda = lambda: True
+warmed = []
+real_warm = workers.factory.warm_engine
+
+def warm(*args, **kwargs):
+    seconds = real_warm(*args, **kwargs)
+    warmed.append(time.time())
+    return seconds
+
+workers.factory.warm_engine = warm
+host_cost = runpy.run_path("benchmarks/host_cost.py")
+from scheduler import SchedulerConfig
+config = SchedulerConfig.from_toml('[model]\\npath = "synthetic:tiny"\\n[worker]\\nmax_batch = 4\\n')
+prompts = host_cost["make_prompts"](8, 16, 1000, 4)
+out = Path(sys.argv[2])
+host_cost["sampled_run"](sys.argv[1], out, config, prompts, 4, 8, False)
+note = json.loads(Path(str(out) + ".json").read_text())
+print(json.dumps({"warmed": warmed, "started": note["started"], "pid": note["pid"], "me": os.getpid(),
+                  "stacks": out.read_text()}))
+"""
+
+
+def test_the_sampled_run_is_sampled_from_its_first_request(tmp_path: Path, model_cache: Path) -> None:
+    fake = tmp_path / "py-spy"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_PY_SPY}")
+    fake.chmod(0o755)
+    env = {**os.environ, "MLX_SCHEDULER_CACHE": str(model_cache), "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    done = subprocess.run([sys.executable, "-P", "-c", RUN_SAMPLED, str(fake), str(tmp_path / "stacks.txt")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(seen["warmed"]) == 1  # the scheduler's start stepped the engine once
+    # py-spy was started on this process once the start was over, and stopped to write its stacks.
+    assert seen["started"] > seen["warmed"][0]
+    assert seen["pid"] == seen["me"]
+    assert seen["stacks"].startswith("thread (1): mlx-worker")
