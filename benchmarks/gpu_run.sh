@@ -29,8 +29,9 @@
 #               At 256 streams on an H100 the scheduler's tok/s swing by up to 2x between runs, in the
 #               worker's step (docs/host-cost.md): this says whether that step waits for the GIL.
 #               HOST_ARGS="--py-spy /tmp/site/bin/py-spy" samples one more scheduler run at each
-#               level (after the measured ones, on 3x the prompts, from its first timed request: not
-#               the scheduler's start; in no figure) and prints where the worker's time between two
+#               level (after its table; from its first timed request, not the scheduler's start;
+#               in no figure; on an H100 at 256 streams with SmolLM2 a run on 3x the prompts did not
+#               end in 80 s under native sampling) and prints where the worker's time between two
 #               steps went (on a fresh machine the first runs compile kernels: never sample a fixed
 #               delay from the process's start). Fetch $OUT in the call that sees the job end: a
 #               machine left idle 30 s is given back with its files

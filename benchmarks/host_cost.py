@@ -33,8 +33,8 @@ The clocks cost both sides alike (a few µs a phase), so tok/s here are below `o
     python benchmarks/host_cost.py --model synthetic:llama-3.2-1b --concurrency 64   # on a GPU
 
 Prints a table per concurrency and writes JSON (`--out`). `--py-spy PATH` also runs the
-scheduler side once more at each concurrency on three times the prompts, sampled by py-spy from
-its first timed request on (native frames included; the sampling slows it, so that run counts
+scheduler side once more at each concurrency (after its table is printed and written), sampled by
+py-spy from its first timed request on (native frames included; the sampling slows it, so that run counts
 in no figure), into `<out>-py-spy-<N>.txt`, and prints where
 the worker thread's samples between two decode steps went (`benchmarks/stacks.py` reads the file
 further).
@@ -278,8 +278,7 @@ def sampled_run(py_spy: str, path: Path, config: Any, prompts: list[list[int]], 
                 stream: bool) -> None:
     """One scheduler run sampled by py-spy from its first timed request to its end. Sampled from
     the process's start, a run on a fresh GPU host was mostly the model's load, the kernels'
-    builds and the tokenizer's tables (2026-11-27): the prompts should make a run of several
-    seconds past py-spy's attach."""
+    builds and the tokenizer's tables (2026-11-27)."""
     with contextlib.ExitStack() as stack:
         ours_counted(config, prompts, n, max_tokens, stream,
                      also=lambda: stack.enter_context(recorded(py_spy, path, settle=0.0)))
@@ -358,8 +357,6 @@ def main() -> None:
                     api[side].append(calls.per(runs[-1][1].steps))
                 else:
                     runs.append(run())
-        if args.py_spy:  # a run of its own: sampling slows the process, so it counts in no median
-            sampled_run(args.py_spy, Path(spy), config, prompts * 3, n, args.max_tokens, args.stream)
         row = {
             "concurrency": n,
             "bare_tok_s": statistics.median(t for t, _ in bare),
@@ -391,14 +388,22 @@ def main() -> None:
         for k in LOOP:
             print(f"  loop: {k:<14} {'':>8} {'':>8} {row['sched'][k]:>10.3f}")
         print(f"  MLX buffer cache limit: {row['cache_limit_bytes'] / 2**30:.2f} GiB")
-        if args.py_spy:
-            print(f"  py-spy, one more scheduler run ({spy}): the worker thread between two decode steps:")
-            print("\n".join("    " + line for line in report(Path(spy), "mlx-worker", BETWEEN_STEPS)))
         if api:
             print(f"  CUDA calls a step (calls, ms)  {'bare':>16} {'engine':>16} {'scheduler':>16}")
             for k in sorted({k for side in row["cuda_api"].values() for k in side}):
                 cells = [row["cuda_api"].get(side, {}).get(k, [0.0, 0.0]) for side in ("bare", "engine", "sched")]
                 print(f"  {k:<30} " + " ".join(f"{c:>8.1f} {ms:>7.2f}" for c, ms in cells))
+        save(args, rows)  # before the sampled run, which may be slow: native sampling of every thread
+        if args.py_spy:  # a run of its own: sampling slows the process, so it counts in no median
+            sampled_run(args.py_spy, Path(spy), config, prompts, n, args.max_tokens, args.stream)
+            print(f"  py-spy, one more scheduler run ({spy}): the worker thread between two decode steps:")
+            print("\n".join("    " + line for line in report(Path(spy), "mlx-worker", BETWEEN_STEPS)))
+    print(f"\nwrote {args.out}")
+
+
+def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    import mlx.core as mx
+
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -409,7 +414,6 @@ def main() -> None:
         "load_avg": list(os.getloadavg()), "switch_interval": sys.getswitchinterval(),
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":
