@@ -369,12 +369,14 @@ async def part_b(args: argparse.Namespace, url: str, vocab: int) -> list[dict[st
         pool = (ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
                 if args.clients > 1 else None)
         try:
-            # A whole untimed round first (8 tokens each): the batch shapes of the timed rounds
-            # are then compiled already (on CUDA, a first use of a shape costs seconds).
+            # A whole untimed round first, as long as the timed ones: their shapes are then
+            # compiled already (on CUDA, a first use of a shape costs seconds). With 8 tokens a
+            # request it left every KV length past 136 to the first timed round, which on a fresh
+            # host ran at 0.55-0.69x the next two (SmolLM2, 2026-11-27, twice; not yet run since).
             if pool is None:
-                await run_all(clients[0], batch(), 8, args.tp_requests, ignore_eos=True)
+                await run_all(clients[0], batch(), args.tp_max_tokens, args.tp_requests, ignore_eos=True)
             else:
-                await spread_round(pool, url, batch(), 8, None, args.clients)
+                await spread_round(pool, url, batch(), args.tp_max_tokens, None, args.clients)
             cpu0, start = cpu_seconds(), time.perf_counter()
             where = Placement({k: int(k.split()[1]) for k in cpu0 if k.startswith("replica ")})
             where.start()
