@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
-from typing import TYPE_CHECKING
+import subprocess
+import sys
+from pathlib import Path
 
 import anyio
 import pytest
@@ -11,9 +14,6 @@ import pytest
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from scheduler.errors import InvalidRequest, QueueFull
 from tests.test_actors import wait_idle
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
@@ -215,3 +215,33 @@ async def test_ready_by_gathers_until_its_deadline_or_the_end_and_loses_nothing(
             assert len(batches) == 2 and stream.request_id is not None
             await wait_idle(s)
             assert s.stats().running == 0 and s.stats().blocks_free == s.stats().blocks_total
+
+
+# A caller that fails inside `async for` over a stream it named: the traceback keeps the
+# stream alive until the interpreter shuts down.
+FAILS_MID_STREAM = """
+import sys
+import anyio
+from scheduler import SamplingParams, Scheduler, SchedulerConfig
+
+async def main() -> None:
+    config = SchedulerConfig.from_toml(f'[model]\\npath = "synthetic:tiny"\\ncache_dir = "{sys.argv[1]}"')
+    async with Scheduler(config) as s:
+        stream = s.generate([1, 2, 3], SamplingParams(max_tokens=64))
+        async for _ in stream:
+            raise RuntimeError("the caller fails mid-stream")
+
+anyio.run(main)
+"""
+
+
+def test_a_caller_failing_mid_stream_sees_its_own_error_alone(model_cache: Path) -> None:
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-P", "-c", FAILS_MID_STREAM, str(model_cache)], cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root / "src")}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1
+    assert "RuntimeError: the caller fails mid-stream" in done.stderr
+    # The stream, dropped as the interpreter shuts down, adds no traceback of its own.
+    assert "Exception ignored" not in done.stderr
+    assert done.stderr.count("Traceback (most recent call last)") == 1

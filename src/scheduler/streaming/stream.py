@@ -3,6 +3,7 @@ early (break, exception, cancellation, garbage collection) cancels it."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -171,6 +172,9 @@ class RequestStream:
         self._abandon()
 
     def __del__(self) -> None:
-        # `break` out of `async for` drops the iterator without a call; this is that call.
-        if not self._done and self._rid is not None:
+        # `break` out of `async for` drops the iterator without a call; this is that call. Not
+        # while the interpreter shuts down (a caller's error can keep the stream alive until
+        # then): the scheduler is gone by then, and the cancel's imports would fail, printing a
+        # second traceback under the caller's own.
+        if not self._done and self._rid is not None and not sys.is_finalizing():
             self._abandon()
