@@ -33,11 +33,10 @@ The clocks cost both sides alike (a few µs a phase), so tok/s here are below `o
     python benchmarks/host_cost.py --model synthetic:llama-3.2-1b --concurrency 64   # on a GPU
 
 Prints a table per concurrency and writes JSON (`--out`). `--py-spy PATH` also runs the
-scheduler side once more at each concurrency (after its table is printed and written), sampled by
-py-spy from its first timed request on (native frames included; the sampling slows it, so that run counts
-in no figure), into `<out>-py-spy-<N>.txt`, and prints where
-the worker thread's samples between two decode steps went (`benchmarks/stacks.py` reads the file
-further).
+scheduler side once more at each concurrency (after its table is printed and written), sampled
+by py-spy from its first timed request on (native frames included; the sampling slows it, so
+that run counts in no figure), into `<out>-py-spy-<N>.txt`, and prints where the worker
+thread's samples between two decode steps went (`benchmarks/stacks.py` reads the file further).
 """
 
 from __future__ import annotations
@@ -343,11 +342,10 @@ def main() -> None:
         alone: list[tuple[float, Clocks]] = []
         ours: list[tuple[float, Clocks]] = []
         api: dict[str, list[dict[str, tuple[float, float]]]] = defaultdict(list)
-        sched_run = functools.partial(ours_counted, config, prompts, n, args.max_tokens, args.stream)
         sides = (("bare", bare, functools.partial(bare_counted, model, prompts, n, args.max_tokens, w)),
                  ("engine", alone, functools.partial(engine_counted, model, prompts, n, args.max_tokens, w,
                                                      info.vocab_size)),
-                 ("sched", ours, sched_run))
+                 ("sched", ours, functools.partial(ours_counted, config, prompts, n, args.max_tokens, args.stream)))
         spy = Path(args.out).with_suffix("").as_posix() + f"-py-spy-{n}.txt"
         for _ in range(args.repeat):
             for side, runs, run in sides:
