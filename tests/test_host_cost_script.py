@@ -22,15 +22,20 @@ runpy.run_path("benchmarks/host_cost.py", run_name="__main__")
 """
 
 
+def python(model_cache: Path, code: str, *args: str) -> str:
+    """Run `code` in a fresh interpreter from the repository's root, with the tests' model cache;
+    its stdout (it must succeed)."""
+    env = {**os.environ, "MLX_SCHEDULER_CACHE": str(model_cache), "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    done = subprocess.run([sys.executable, "-P", "-c", code, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
 def test_the_schedulers_clocks_leave_its_start_out(tmp_path: Path, model_cache: Path) -> None:
     out = tmp_path / "host_cost.json"
-    env = {**os.environ, "MLX_SCHEDULER_CACHE": str(model_cache), "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
-    done = subprocess.run(
-        [sys.executable, "-P", "-c", RUN_WITH_WARM_UP, "--model", "synthetic:tiny", "--concurrency", "4",
-         "--prompt-tokens", "16", "--max-tokens", "8", "--repeat", "1", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    python(model_cache, RUN_WITH_WARM_UP, "--model", "synthetic:tiny", "--concurrency", "4",
+           "--prompt-tokens", "16", "--max-tokens", "8", "--repeat", "1", "--out", str(out))
     row = json.loads(out.read_text())["rows"][0]
     # Two waves of 4 equal requests, 8 tokens each: 16 decode steps for our engine alone and for
     # the scheduler, whose warm-up (another 10 or so) is not among them.
@@ -91,11 +96,7 @@ def test_the_sampled_run_is_sampled_from_its_first_request(tmp_path: Path, model
     fake = tmp_path / "py-spy"
     fake.write_text(f"#!{sys.executable}\n{FAKE_PY_SPY}")
     fake.chmod(0o755)
-    env = {**os.environ, "MLX_SCHEDULER_CACHE": str(model_cache), "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
-    done = subprocess.run([sys.executable, "-P", "-c", RUN_SAMPLED, str(fake), str(tmp_path / "stacks.txt")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen = json.loads(python(model_cache, RUN_SAMPLED, str(fake), str(tmp_path / "stacks.txt")).splitlines()[-1])
     assert len(seen["warmed"]) == 1  # the scheduler's start stepped the engine once
     # py-spy was started on this process once the start was over, and stopped to write its stacks.
     assert seen["started"] > seen["warmed"][0]
