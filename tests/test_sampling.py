@@ -103,6 +103,30 @@ async def test_top_logprobs_are_the_likeliest_tokens_best_first_streamed_or_not(
     assert plain.logprobs is None and plain.token_ids == whole.token_ids
 
 
+async def test_one_row_asking_for_logprobs_gets_them_in_a_batch_of_rows_that_do_not(model_cache: Path) -> None:
+    # Steps where no row asks skip the per-row log-probabilities; the row that asks, joining a
+    # batch already decoding, must still get each of its tokens' own.
+    wants = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3)
+    with anyio.fail_after(60):
+        async with Scheduler(tiny(model_cache, max_batch=16)) as s:
+            alone = await s.complete([9, 8, 7, 6], wants)
+            others: list[Any] = []
+
+            async def plain(p: list[int]) -> None:
+                others.append(await s.complete(p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
+
+            async with anyio.create_task_group() as tg:
+                for p in prompts(6, seed=3):
+                    tg.start_soon(plain, p)
+                await anyio.sleep(0.05)  # the others are decoding when it joins
+                mixed = await s.complete([9, 8, 7, 6], wants)
+    assert mixed.token_ids == alone.token_ids and len(mixed.logprobs or []) == 12
+    for got, want in zip(mixed.logprobs or [], alone.logprobs or [], strict=True):
+        assert got.token_id == want.token_id and got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [i for i, _ in got.top] == [i for i, _ in want.top]
+    assert len(others) == 6 and all(o.logprobs is None and len(o.token_ids) == 40 for o in others)
+
+
 async def test_seeded_sampling_with_penalties_repeats_whatever_shares_the_batch(model_cache: Path) -> None:
     params = SamplingParams(max_tokens=16, temperature=0.9, seed=5, presence_penalty=1.0, logprobs=True)
     with anyio.fail_after(60):

@@ -12,6 +12,7 @@ import structlog
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
+from workers.batching import prefill
 from workers.batching.budget import PrefillBudget
 from workers.batching.cachekinds import cache_support, trimmable
 from workers.batching.choices import fuses, pads
@@ -264,7 +265,10 @@ class MLXEngine:
 
     def step(self) -> StepResult:
         gen = self._gen
-        alone = lone_row(gen) if self._prefill is not None else None
+        alone = None
+        if self._prefill is not None:
+            generation_batch(gen).keep_logprobs = bool(self._logprobs_of) or not prefill.DROP_UNASKED_LOGPROBS
+            alone = lone_row(gen)
         if alone is not None:
             # Nothing to plan, prefill or join: the row's step as `stream_generate` takes it.
             self.mask_free.before_step(gen)

@@ -180,6 +180,11 @@ class PipelinedPrefill(PromptProcessingBatch):
         return batch
 
 
+DROP_UNASKED_LOGPROBS = True
+"""Benchmarks turn it off to measure mlx-lm's way (every row's log-probabilities kept every step)
+side by side (see `JoiningBatch.keep_logprobs`)."""
+
+
 class JoiningBatch(GenerationBatch):
     """mlx-lm's generation batch whose new rows are not stepped when it is made: a row that
     joins is `priming` until the next step has fed it its last prompt token; that step's output
@@ -191,11 +196,24 @@ class JoiningBatch(GenerationBatch):
     before that call, so the hook sits in that attribute's setter."""
 
     on_queue: Callable[[], None] | None = None
+    keep_logprobs = True
+    """Whether a step keeps each row's log-probabilities; the engine clears it while no row asks
+    for them. mlx-lm splits a step's [rows, vocab] array into an array a row and evaluates each
+    one: on a 2-core CPU about 0.6 ms of the worker's time a step at 256 rows, for values nobody
+    reads. Rows then carry None, as the priming rows' stand-ins do."""
     partner: PipelinedPrefill | None = None
     """The prompt batch whose left chunk (`PipelinedPrefill.fuse`) each decode step carries."""
     chunks_carried = 0
     _stepping = False
     _tokens_ahead: Any = None
+
+    @property
+    def _next_logprobs(self) -> list[Any]:
+        return self._logprobs_ahead
+
+    @_next_logprobs.setter
+    def _next_logprobs(self, value: list[Any]) -> None:
+        self._logprobs_ahead = value if self.keep_logprobs else [None] * len(value)
 
     @property
     def _next_tokens(self) -> Any:
@@ -267,7 +285,7 @@ class JoiningBatch(GenerationBatch):
             self._next_tokens = sampler(logprobs)
         finally:
             self._stepping = False
-        self._next_logprobs = [logprobs[0]]
+        self._next_logprobs = [logprobs[0] if self.keep_logprobs else None]
         mx.async_eval(self._tokens_ahead, self._next_logprobs)  # type: ignore[no-untyped-call]
         token: int = inputs.item()
         self.tokens[0].append(token)
