@@ -58,7 +58,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_api import api_calls  # noqa: E402
-from overhead import bare_loop, engine_loop, make_prompts, scheduler_run  # noqa: E402
+from overhead import bare_loop, engine_loop, load_served, make_prompts, scheduler_run  # noqa: E402
 from stacks import recorded, report  # noqa: E402
 
 if TYPE_CHECKING:
@@ -316,14 +316,14 @@ def main() -> None:
 
     from metrics import configure_logging
     from scheduler import SchedulerConfig
-    from workers.loading.models import load_model, model_info
+    from workers.loading.models import model_info
 
     configure_logging(level="warning")
     if args.cache_share is not None:
         import workers.factory
 
         workers.factory.BUFFER_CACHE_SHARE = args.cache_share
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_served(args.model)
     info = model_info(model, tokenizer, args.model)
     install(model)
     rows = []

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import load_served  # noqa: E402
 from peers import no_eos_model, our_toml  # noqa: E402
 
 if TYPE_CHECKING:
@@ -55,7 +56,6 @@ def main() -> None:
     from scheduler import SamplingParams, Scheduler
     from scheduler.cli.bench import datasets
     from scheduler.config import SchedulerConfig
-    from workers.loading.models import load_model
     from workers.messages import Admit, SamplingSpec
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,7 +69,7 @@ def main() -> None:
     specs = datasets.build("random", datasets.PromptMaker(codec), num_prompts=args.requests + 3,
                            input_len=128, output_len=MAX_TOKENS, seed=5)
     ids = [codec.encode(s.prompt) for s in specs]
-    model, tokenizer = load_model(str(model_dir))
+    model, tokenizer = load_served(str(model_dir))
     vocab = int(model.args.vocab_size)
     greedy = SamplingSpec(0.0, 1.0, 0, 0.0, None)
     rows: dict[str, dict[str, float]] = {}

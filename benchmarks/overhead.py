@@ -152,6 +152,23 @@ async def scheduler_run(config: SchedulerConfig, prompts: list[list[int]], concu
     return tokens, elapsed, lags
 
 
+def load_served(spec: str) -> tuple[Any, Any]:
+    """`load_model` after the CUDA settings the scheduler's worker applies for this model
+    (`workers.cuda`: CUDA graphs off unless it stays quantized). MLX reads them once, at its first
+    GPU use, so a model loaded here before any Scheduler starts would run every side, the
+    scheduler's too, with MLX's own (graphs on)."""
+    from workers.cuda import apply_cuda_defaults
+    from workers.loading.models import load_model, resolve_model
+
+    apply_cuda_defaults("auto", resolve_model(spec))
+    return load_model(spec)
+
+
+def throughput(run: tuple[int, float]) -> float:
+    tokens, seconds = run
+    return tokens / seconds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="synthetic:small")
@@ -183,15 +200,19 @@ def main() -> None:
     ap.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE",
                     help='a [worker] setting for our side (engine and scheduler), as TOML: '
                          '--worker prefill_pad=0 --worker fuse_prefill=false (the GPU defaults before 2026-11-27)')
+    ap.add_argument("--kept-logprobs", action="store_true",
+                    help="also run our engine and scheduler keeping every row's log-probabilities every "
+                         "step, as mlx-lm does (the code before 2026-11-28), interleaved with the rest")
     ap.add_argument("--out", default="benchmarks/results/overhead.json")
     args = ap.parse_args()
     configure_logging(level="warning")
 
     import mlx.core as mx
 
-    from workers.loading.models import load_model, model_info
+    from workers.batching import prefill
+    from workers.loading.models import model_info
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_served(args.model)
     info = model_info(model, tokenizer, args.model)
     budget = args.budget if args.budget.isdigit() else f'"{args.budget}"'
     rows = []
@@ -216,6 +237,7 @@ def main() -> None:
             engine(warm)
             anyio.run(scheduler_run, config, warm, n, args.max_tokens, True, None, args.stream)
         bare_runs, engine_runs, ours_runs, lags = [], [], [], []
+        kept_runs: dict[str, list[float]] = {"engine": [], "sched": []}
         for _ in range(args.repeat):  # interleaved, best of each: drift and warm-up hit every side
             bare_tokens, bare_s = bare_loop(model, prompts, n, args.max_tokens, w.prefill_batch, w.prefill_step)
             engine_tokens, engine_s = engine(prompts)
@@ -225,6 +247,14 @@ def main() -> None:
             bare_runs.append(bare_tokens / bare_s)
             engine_runs.append(engine_tokens / engine_s)
             ours_runs.append(ours_tokens / ours_s)
+            if args.kept_logprobs:
+                prefill.DROP_UNASKED_LOGPROBS = False
+                try:
+                    kept_runs["engine"].append(throughput(engine(prompts)))
+                    kept = anyio.run(scheduler_run, config, prompts, n, args.max_tokens, False, None, args.stream)
+                    kept_runs["sched"].append(throughput(kept[:2]))
+                finally:
+                    prefill.DROP_UNASKED_LOGPROBS = True
         # The lag ticker wakes the event loop every millisecond, and each wake-up needs the GIL
         # that the worker's graph building holds: it costs our side alone (about a tenth of the
         # tokens at 64 streams on an H100), so the ratio comes from runs without it and the lag
@@ -246,6 +276,16 @@ def main() -> None:
             "loop_lag_p50_ms": percentile(lags, 50) * 1e3,
             "loop_lag_p99_ms": percentile(lags, 99) * 1e3,
         }
+        if args.kept_logprobs:
+            row |= {
+                "engine_kept_tok_s": max(kept_runs["engine"]), "sched_kept_tok_s": max(kept_runs["sched"]),
+                "engine_kept_runs": kept_runs["engine"], "sched_kept_runs": kept_runs["sched"],
+                "engine_over_kept": row["engine_tok_s"] / max(kept_runs["engine"]),
+                "sched_over_kept": row["sched_tok_s"] / max(kept_runs["sched"]),
+            }
+            print(f"  c={n:<4d} every row's logprobs kept: engine {row['engine_kept_tok_s']:8.1f} tok/s "
+                  f"(dropped / kept {row['engine_over_kept']:.3f}), sched {row['sched_kept_tok_s']:8.1f} "
+                  f"({row['sched_over_kept']:.3f})", flush=True)
         if args.attribute:
             bare_steps: list[int] = []
             _, bare_s = bare_loop(model, prompts, n, args.max_tokens, w.prefill_batch, w.prefill_step,
@@ -275,7 +315,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "model": args.model, "step_token_budget": args.budget, "stream": args.stream, "prefix_cache": args.prefix_cache, "block_tokens": args.block_tokens, "worker": args.worker, "repeat": args.repeat, "warmup": args.warmup, "waves": args.waves, "min_requests": args.min_requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-        "device": str(mx.default_device()), "mlx": mx.__version__, "python": sys.version.split()[0],
+        "kept_logprobs": args.kept_logprobs, "device": str(mx.default_device()), "mlx": mx.__version__, "python": sys.version.split()[0],
         "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -66,9 +66,32 @@ def test_apply_on_this_machine_logs_what_it_set(monkeypatch: pytest.MonkeyPatch)
         applied = apply_cuda_defaults()
     if on_cuda():
         assert applied == {**CUDA_DEFAULTS, KERNELS: str(kernel_dir())}
-        assert [e["event"] for e in logs] == ["cuda_defaults_applied"]
+        assert [e["event"] for e in logs][0] == "cuda_defaults_applied"
     else:  # CI and Apple Silicon: nothing changes, nothing is logged
         assert applied == {} and logs == []
+
+
+def test_settings_made_after_mlx_used_the_gpu_are_said_not_to_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLX reads its settings once, at its first GPU use: an embedder (or a benchmark) that ran
+    a model before starting the scheduler gets MLX's own, and is told so."""
+    import workers.cuda
+
+    monkeypatch.setattr(workers.cuda, "on_cuda", lambda: True)  # the decision, not the device
+    for key in [*CUDA_DEFAULTS, KERNELS]:
+        monkeypatch.delenv(key, raising=False)
+    mx.reset_peak_memory()
+    with capture_logs() as logs:
+        apply_cuda_defaults()
+    assert [e["event"] for e in logs] == ["cuda_defaults_applied"]  # nothing ran MLX before
+    mx.eval(mx.ones((256, 256)) * 2)
+    for key in [*CUDA_DEFAULTS, KERNELS]:
+        monkeypatch.delenv(key)
+    with capture_logs() as logs:
+        applied = apply_cuda_defaults()
+    late = [e for e in logs if e["event"] == "cuda_defaults_late"]
+    assert len(late) == 1 and late[0]["log_level"] == "warning"
+    assert late[0]["MLX_USE_CUDA_GRAPHS"] == "0" and "do not apply" in late[0]["reason"]
+    assert applied["MLX_USE_CUDA_GRAPHS"] == "0"
 
 
 def test_graphs_stay_on_when_wanted() -> None:

@@ -106,6 +106,13 @@ def apply_cuda_defaults(choice: str = "auto", model_dir: Path | None = None,
     if applied:
         log.info("cuda_defaults_applied", **applied,
                  note="set the variable yourself to override; read once, at MLX's first GPU use")
+        if mx.get_peak_memory() > 0:
+            # Something in this process ran MLX on the GPU first (a model loaded before the
+            # scheduler started): MLX has read its settings already, and these change nothing.
+            log.warning("cuda_defaults_late", **applied,
+                        reason="MLX used the GPU in this process before the scheduler set these, and reads "
+                               "them only once: they do not apply (set them in the environment before "
+                               "anything uses MLX)")
     return applied
 
 
