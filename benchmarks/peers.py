@@ -18,6 +18,11 @@ MLX_SCHEDULER_BLAS=bundled opts out, and `served` inherits the same environment)
 server is started with `LD_PRELOAD=workers.blas.preload()` and the same thread count, so it runs
 on the same OpenBLAS; `mlx_lm.server-installed` is the peer as installed. Each row records its BLAS.
 
+CUDA: this process applies our worker's MLX settings (graphs and cuDNN's attention off for an
+unquantized model) before it loads anything, so the in-process rows (`bare`, `scheduler`,
+`sequential`) and `served` run as we serve; the peer servers start with MLX's own settings (or
+the user's, if set before this script).
+
 Every backend gets the same prompts and greedy sampling. --eos ignore (the default): prompts of
 exactly --prompt-tokens tokens run to --max-tokens. A synthetic model is copied with the EOS rows
 of its (tied) embedding zeroed, so it never stops early anywhere; a real model is left as it is
@@ -55,6 +60,7 @@ from scheduler.cli.bench.runner import Load, RunResult, run_load
 from scheduler.cli.bench.spread import run_spread
 from scheduler.cli.bench.targets import OpenAITarget, Record, Sampling, SchedulerTarget, http_client
 from workers.blas import blas_state, preload
+from workers.cuda import CUDA_DEFAULTS, apply_cuda_defaults
 from workers.loading.models import load_model, parse_synthetic, resolve_model
 
 BACKENDS = ("bare", "scheduler", "served", "ray", "mlx_lm.server", "mlx_lm.server-installed",
@@ -89,15 +95,22 @@ QUESTIONS = (
 """Questions after a passage, for --eos natural: answers of natural length that end at EOS."""
 
 
+USER_MLX = {k: os.environ[k] for k in CUDA_DEFAULTS if k in os.environ}
+"""The MLX settings our worker changes on CUDA, as the user set them before any of ours ran."""
+
+
 def peer_env(backend: str) -> dict[str, str]:
-    """The environment added for a peer server: this process's OpenBLAS through LD_PRELOAD and
-    its thread count; the `-installed` peer gets an empty LD_PRELOAD (its wheel's own BLAS)."""
+    """The environment added for a peer server: MLX's own CUDA settings (graphs and cuDNN's
+    attention on, both MLX's defaults) or the user's, never those our worker put into this
+    process; this process's OpenBLAS through LD_PRELOAD and its thread count; the `-installed`
+    peer gets an empty LD_PRELOAD (its wheel's own BLAS)."""
+    mlx = {k: USER_MLX.get(k, "1") for k in CUDA_DEFAULTS}
     if backend.endswith("-installed") or backend == "llama.cpp":
-        return {"LD_PRELOAD": ""}
+        return {**mlx, "LD_PRELOAD": ""}
     libs = preload()
     if not libs:
-        return {"LD_PRELOAD": ""}
-    return {"LD_PRELOAD": libs, "OPENBLAS_NUM_THREADS": str(blas_state().threads)}
+        return {**mlx, "LD_PRELOAD": ""}
+    return {**mlx, "LD_PRELOAD": libs, "OPENBLAS_NUM_THREADS": str(blas_state().threads)}
 
 
 def blas_of(backend: str) -> str:
@@ -532,6 +545,10 @@ def main() -> None:
                               output_len=args.max_tokens, seed=seed)
 
     in_process = {"bare", "sequential"} & {b.partition(":")[0] for b in args.backends}
+    # Our in-process scheduler runs with the settings the worker applies, which MLX reads at its
+    # first GPU use: the bare loop and stream_generate load the model here first, so they apply
+    # first (and run with them too); peer servers keep MLX's own (`peer_env`).
+    apply_cuda_defaults("auto", Path(model_dir))
     # Only the bare loop and stream_generate use a model in this process (an 8B one is 16 GB).
     model, tokenizer = load_model(str(model_dir)) if in_process else (None, None)
     load_before = os.getloadavg()

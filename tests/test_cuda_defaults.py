@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import pytest
 from structlog.testing import capture_logs
 
 from workers.cuda import (
     CUDA_DEFAULTS,
     KERNELS,
     apply_cuda_defaults,
+    came_late,
     cuda_defaults,
     graphs_wanted,
     kernel_dir,
@@ -20,8 +22,6 @@ from workers.loading.dtypes import CUDA_DEQUANTIZE_LIMIT, cuda_dequantizes, on_c
 
 if TYPE_CHECKING:
     from pathlib import Path
-
-    import pytest
 
 
 def test_cuda_gets_graphs_and_cudnn_attention_off_when_unset() -> None:
@@ -71,27 +71,51 @@ def test_apply_on_this_machine_logs_what_it_set(monkeypatch: pytest.MonkeyPatch)
         assert applied == {} and logs == []
 
 
+def _unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our settings out of the environment, and back as they were after the test."""
+    for key in [*CUDA_DEFAULTS, KERNELS]:
+        monkeypatch.setenv(key, "")  # records the value before the test, restored after it
+        monkeypatch.delenv(key)
+
+
 def test_settings_made_after_mlx_used_the_gpu_are_said_not_to_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     """MLX reads its settings once, at its first GPU use: an embedder (or a benchmark) that ran
     a model before starting the scheduler gets MLX's own, and is told so."""
     import workers.cuda
 
     monkeypatch.setattr(workers.cuda, "on_cuda", lambda: True)  # the decision, not the device
-    for key in [*CUDA_DEFAULTS, KERNELS]:
-        monkeypatch.delenv(key, raising=False)
+    _unset(monkeypatch)
     mx.reset_peak_memory()
     with capture_logs() as logs:
-        apply_cuda_defaults()
+        assert not came_late(apply_cuda_defaults())
     assert [e["event"] for e in logs] == ["cuda_defaults_applied"]  # nothing ran MLX before
     mx.eval(mx.ones((256, 256)) * 2)
-    for key in [*CUDA_DEFAULTS, KERNELS]:
-        monkeypatch.delenv(key)
+    _unset(monkeypatch)
     with capture_logs() as logs:
         applied = apply_cuda_defaults()
     late = [e for e in logs if e["event"] == "cuda_defaults_late"]
     assert len(late) == 1 and late[0]["log_level"] == "warning"
     assert late[0]["MLX_USE_CUDA_GRAPHS"] == "0" and "do not apply" in late[0]["reason"]
-    assert applied["MLX_USE_CUDA_GRAPHS"] == "0"
+    assert applied["MLX_USE_CUDA_GRAPHS"] == "0" and came_late(applied) == late[0]["reason"]
+    assert came_late({}) == ""  # nothing set, nothing late (the user's own values, or not CUDA)
+
+
+@pytest.mark.anyio
+@pytest.mark.integration
+async def test_a_scheduler_started_after_mlx_used_the_gpu_says_so_in_stats(
+    monkeypatch: pytest.MonkeyPatch, model_cache: Path
+) -> None:
+    import workers.cuda
+    from tests.test_metrics import served_once, value
+
+    monkeypatch.setattr(workers.cuda, "on_cuda", lambda: True)
+    _unset(monkeypatch)
+    mx.eval(mx.ones((64, 64)) + 1)  # this process has run MLX before the scheduler starts
+    tokens, stats, samples, logs = await served_once(model_cache)
+    assert tokens == 4  # served all the same
+    assert stats.cuda_settings_applied is False
+    assert value(samples, "cuda_settings_applied") == 0
+    assert len([e for e in logs if e["event"] == "cuda_defaults_late"]) == 1
 
 
 def test_graphs_stay_on_when_wanted() -> None:

@@ -197,20 +197,11 @@ def test_the_check_names_a_batch_cache_that_changed(recheck: Any, monkeypatch: p
 async def test_a_changed_batch_cache_is_said_once_in_the_log_and_in_stats(
     recheck: Any, monkeypatch: pytest.MonkeyPatch, model_cache: Path
 ) -> None:
-    import anyio
-    from structlog.testing import capture_logs
-
-    from scheduler import SamplingParams, Scheduler, SchedulerConfig
-    from tests.test_metrics import parse, value
+    from tests.test_metrics import served_once, value
 
     monkeypatch.setattr(hostpad, "_mismatch", lambda: "BatchKVCache.filter moved the rows' padding")
-    cfg = SchedulerConfig.from_toml(f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"')
-    with anyio.fail_after(60), capture_logs() as logs:
-        async with Scheduler(cfg) as s:
-            done = await s.complete([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
-            stats = s.stats()
-            samples = parse(s.metrics_text())
-    assert len(done.token_ids) == 4  # served all the same
+    tokens, stats, samples, logs = await served_once(model_cache)
+    assert tokens == 4  # served all the same
     assert stats.host_padding is False
     assert value(samples, "host_padding") == 0
     said = [e for e in logs if e["event"] == "host_padding_unavailable"]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import inspect
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from metrics import NullObserver, Observer, SchedulerMetrics
 from metrics.prometheus import ITL_BUCKETS, TTFT_BUCKETS
@@ -21,6 +22,8 @@ from tests.test_actors import config, wait_idle
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+    from scheduler.types import SchedulerStats
 
 P = "mlx_scheduler_"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -39,6 +42,18 @@ def parse(text: str) -> Samples:
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples[(P + name, frozenset(labels.items()))]
+
+
+async def served_once(model_cache: Path) -> tuple[int, SchedulerStats, Samples, list[dict[str, Any]]]:
+    """One short request through a scheduler on `synthetic:tiny`: the tokens it got, then
+    `stats()`, the metrics' samples and the log events of the scheduler's whole life."""
+    cfg = SchedulerConfig.from_toml(f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"')
+    with anyio.fail_after(60), capture_logs() as logs:
+        async with Scheduler(cfg) as s:
+            done = await s.complete([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+            stats = s.stats()
+            samples = parse(s.metrics_text())
+    return len(done.token_ids), stats, samples, logs
 
 
 def check_histogram(samples: Samples, name: str) -> tuple[float, float]:

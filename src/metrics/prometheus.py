@@ -120,6 +120,9 @@ class GaugeSource(Protocol):
     def host_padding(self) -> bool: ...
 
     @property
+    def cuda_settings_applied(self) -> bool: ...
+
+    @property
     def blas(self) -> str: ...
 
 
@@ -268,6 +271,9 @@ class SchedulerMetrics:
             ("host_padding", "1 when rows that leave the batch do not wait for the device, 0 when "
              "they do, as in mlx-lm's loop (see the host_padding_unavailable log line).",
              int(stats.host_padding)),
+            ("cuda_settings_applied", "0 when the scheduler's CUDA settings came after MLX had used the "
+             "GPU in this process and do not apply (see the cuda_defaults_late log line), else 1.",
+             int(stats.cuda_settings_applied)),
             ("cpu_blas_openblas", "1 when MLX's CPU backend runs float32 matmuls on OpenBLAS, 0 on "
              "the mlx wheel's reference BLAS or Accelerate (see stats().blas_note).",
              int(stats.blas == "openblas")),

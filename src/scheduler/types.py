@@ -127,6 +127,10 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     structured_output: bool = True
     """False when the grammar engine cannot read this model's tokenizer (`json_schema` and
     `grammar` are then refused; the log says why)."""
+    cuda_settings_applied: bool = True
+    """False when the CUDA settings the scheduler applies (graphs and cuDNN's attention off for
+    unquantized models) came after something in the process had run MLX on the GPU, so MLX kept
+    its own (logged once as `cuda_defaults_late`). Always true off CUDA."""
     blas: str = ""
     """The BLAS under MLX's CPU backend: "openblas", "accelerate" (macOS) or "bundled" (the mlx
     wheel's reference BLAS, 20-50x slower for float32 matmuls)."""

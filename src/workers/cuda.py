@@ -51,7 +51,7 @@ from workers.loading.dtypes import Dequantize, cuda_dequantizes, model_config, o
 from workers.messages import Admit, SamplingSpec
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, MutableMapping
+    from collections.abc import Iterator, Mapping, MutableMapping
 
     from workers.batching.contract import Engine
 
@@ -106,14 +106,20 @@ def apply_cuda_defaults(choice: str = "auto", model_dir: Path | None = None,
     if applied:
         log.info("cuda_defaults_applied", **applied,
                  note="set the variable yourself to override; read once, at MLX's first GPU use")
-        if mx.get_peak_memory() > 0:
-            # Something in this process ran MLX on the GPU first (a model loaded before the
-            # scheduler started): MLX has read its settings already, and these change nothing.
-            log.warning("cuda_defaults_late", **applied,
-                        reason="MLX used the GPU in this process before the scheduler set these, and reads "
-                               "them only once: they do not apply (set them in the environment before "
-                               "anything uses MLX)")
+        late = came_late(applied)
+        if late:
+            log.warning("cuda_defaults_late", **applied, reason=late)
     return applied
+
+
+def came_late(applied: Mapping[str, str]) -> str:
+    """Why settings just put into the environment do not apply ("" when they do): something in
+    this process ran MLX on the GPU before (a model loaded before the scheduler started), and MLX
+    has read its settings then, once."""
+    if applied and mx.get_peak_memory() > 0:
+        return ("MLX used the GPU in this process before the scheduler set these, and reads them only "
+                "once: they do not apply (set them in the environment before anything uses MLX)")
+    return ""
 
 
 WARM_ROWS = (1, 8)

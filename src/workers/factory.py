@@ -18,7 +18,7 @@ from workers.batching.hostpad import unavailable as host_padding_unavailable
 from workers.batching.mlxlm import hf_tokenizer, keep_leading_space
 from workers.batching.quantfold import fold_decode_batch
 from workers.blas import BlasState, blas_state
-from workers.cuda import KERNELS, apply_cuda_defaults, kernels_locked, warm_engine, warm_kernels
+from workers.cuda import KERNELS, apply_cuda_defaults, came_late, kernels_locked, warm_engine, warm_kernels
 from workers.loading.dtypes import Dequantize, DTypeName, Precision, on_cuda, quantized_layers
 from workers.loading.models import ModelInfo, load, model_info, resolve_model
 from workers.loading.streamdetok import RustDetokenizer, rust_detokenizer, whole_tokens
@@ -87,6 +87,8 @@ class Loaded(msgspec.Struct, frozen=True):
     """The BLAS under MLX's CPU backend in the worker's process."""
     grammar_unavailable: str = ""
     """Why this model cannot do structured output ("" when it can)."""
+    cuda_settings_late: str = ""
+    """Why the CUDA settings the worker applies (`workers.cuda`) do not take effect ("" when they do)."""
 
 
 def mlx_engine_factory(
@@ -113,7 +115,7 @@ def mlx_engine_factory(
     def build() -> tuple[Engine, Loaded]:
         directory = resolve_model(path, cache_dir)
         # Before the model's first GPU use: MLX reads them once.
-        apply_cuda_defaults(cuda_graphs, directory, cache_dir, dequantize)
+        cuda_late = came_late(apply_cuda_defaults(cuda_graphs, directory, cache_dir, dequantize))
         loaded_model = load(str(directory), cache_dir, dtype=dtype, dequantize=dequantize)
         model, tokenizer = loaded_model.model, loaded_model.tokenizer
         if fold_quantized and on_cuda():
@@ -161,7 +163,7 @@ def mlx_engine_factory(
             prefill_pad=engine.prefill_pad,
             host_padding_unavailable=host_padding_unavailable(),
             precision=loaded_model.precision, blas=blas_state(),
-            grammar_unavailable=grammar_unavailable,
+            grammar_unavailable=grammar_unavailable, cuda_settings_late=cuda_late,
         )
         return engine, loaded
 
