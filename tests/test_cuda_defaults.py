@@ -17,6 +17,7 @@ from workers.cuda import (
     graphs_wanted,
     kernel_dir,
     kernels_locked,
+    mlx_used,
 )
 from workers.loading.dtypes import CUDA_DEQUANTIZE_LIMIT, cuda_dequantizes, on_cuda
 
@@ -87,7 +88,8 @@ def test_settings_made_after_mlx_used_the_gpu_are_said_not_to_apply(monkeypatch:
     _unset(monkeypatch)
     mx.reset_peak_memory()
     with capture_logs() as logs:
-        assert not came_late(apply_cuda_defaults())
+        applied = apply_cuda_defaults()
+    assert not came_late(applied, mlx_used())
     assert [e["event"] for e in logs] == ["cuda_defaults_applied"]  # nothing ran MLX before
     mx.eval(mx.ones((256, 256)) * 2)
     _unset(monkeypatch)
@@ -96,8 +98,12 @@ def test_settings_made_after_mlx_used_the_gpu_are_said_not_to_apply(monkeypatch:
     late = [e for e in logs if e["event"] == "cuda_defaults_late"]
     assert len(late) == 1 and late[0]["log_level"] == "warning"
     assert late[0]["MLX_USE_CUDA_GRAPHS"] == "0" and "do not apply" in late[0]["reason"]
-    assert applied["MLX_USE_CUDA_GRAPHS"] == "0" and came_late(applied) == late[0]["reason"]
-    assert came_late({}) == ""  # nothing set, nothing late (the user's own values, or not CUDA)
+    assert applied["MLX_USE_CUDA_GRAPHS"] == "0" and came_late(applied, mlx_used()) == late[0]["reason"]
+    assert came_late({}, True) == ""  # nothing set, nothing late (the user's own values, or not CUDA)
+    _unset(monkeypatch)
+    with capture_logs() as logs:  # the caller's own reading, taken before it used MLX itself
+        apply_cuda_defaults(used_before=False)
+    assert [e["event"] for e in logs] == ["cuda_defaults_applied"]
 
 
 @pytest.mark.anyio

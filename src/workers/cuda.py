@@ -98,27 +98,37 @@ def cuda_defaults(env: MutableMapping[str, str], cuda: bool, graphs: bool = Fals
 
 
 def apply_cuda_defaults(choice: str = "auto", model_dir: Path | None = None,
-                        cache_dir: str | None = None, dequantize: Dequantize = "auto") -> dict[str, str]:
-    """`cuda_defaults` on the process environment, logged once when it sets anything."""
+                        cache_dir: str | None = None, dequantize: Dequantize = "auto",
+                        used_before: bool | None = None) -> dict[str, str]:
+    """`cuda_defaults` on the process environment, logged once when it sets anything.
+    `used_before`: whether MLX had run in this process before the caller began (`mlx_used()`
+    then; default: now)."""
     cuda = on_cuda()
     applied = cuda_defaults(os.environ, cuda, cuda and graphs_wanted(choice, model_dir, dequantize),
                             kernel_dir(cache_dir) if cuda else None)
     if applied:
         log.info("cuda_defaults_applied", **applied,
                  note="set the variable yourself to override; read once, at MLX's first GPU use")
-        late = came_late(applied)
+        late = came_late(applied, mlx_used() if used_before is None else used_before)
         if late:
             log.warning("cuda_defaults_late", **applied, reason=late)
     return applied
 
 
-def came_late(applied: Mapping[str, str]) -> str:
+def mlx_used() -> bool:
+    """Whether MLX has allocated anything in this process yet: on CUDA, a sign that it ran on the
+    GPU and read its settings (it allocates through the device's allocator on either stream, so
+    this can also be CPU work)."""
+    return mx.get_peak_memory() > 0
+
+
+def came_late(applied: Mapping[str, str], used_before: bool) -> str:
     """Why settings just put into the environment do not apply ("" when they do): something in
-    this process ran MLX on the GPU before (a model loaded before the scheduler started), and MLX
-    has read its settings then, once."""
-    if applied and mx.get_peak_memory() > 0:
-        return ("MLX used the GPU in this process before the scheduler set these, and reads them only "
-                "once: they do not apply (set them in the environment before anything uses MLX)")
+    this process ran MLX before (`used_before`: a model loaded before the scheduler started), and
+    MLX reads its settings once, at its first GPU use."""
+    if applied and used_before:
+        return ("MLX ran in this process before the scheduler set these, and reads them only once: "
+                "they do not apply (set them in the environment before anything uses MLX)")
     return ""
 
 

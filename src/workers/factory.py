@@ -18,7 +18,15 @@ from workers.batching.hostpad import unavailable as host_padding_unavailable
 from workers.batching.mlxlm import hf_tokenizer, keep_leading_space
 from workers.batching.quantfold import fold_decode_batch
 from workers.blas import BlasState, blas_state
-from workers.cuda import KERNELS, apply_cuda_defaults, came_late, kernels_locked, warm_engine, warm_kernels
+from workers.cuda import (
+    KERNELS,
+    apply_cuda_defaults,
+    came_late,
+    kernels_locked,
+    mlx_used,
+    warm_engine,
+    warm_kernels,
+)
 from workers.loading.dtypes import Dequantize, DTypeName, Precision, on_cuda, quantized_layers
 from workers.loading.models import ModelInfo, load, model_info, resolve_model
 from workers.loading.streamdetok import RustDetokenizer, rust_detokenizer, whole_tokens
@@ -113,9 +121,10 @@ def mlx_engine_factory(
     """A factory to call on the worker thread (MLX streams are thread-local)."""
 
     def build() -> tuple[Engine, Loaded]:
+        used = mlx_used()  # by the embedding process, before the scheduler began
         directory = resolve_model(path, cache_dir)
         # Before the model's first GPU use: MLX reads them once.
-        cuda_late = came_late(apply_cuda_defaults(cuda_graphs, directory, cache_dir, dequantize))
+        cuda_late = came_late(apply_cuda_defaults(cuda_graphs, directory, cache_dir, dequantize, used), used)
         loaded_model = load(str(directory), cache_dir, dtype=dtype, dequantize=dequantize)
         model, tokenizer = loaded_model.model, loaded_model.tokenizer
         if fold_quantized and on_cuda():
