@@ -12,7 +12,6 @@ import structlog
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers.batching import prefill
 from workers.batching.budget import PrefillBudget
 from workers.batching.cachekinds import cache_support, trimmable
 from workers.batching.choices import fuses, pads
@@ -267,7 +266,7 @@ class MLXEngine:
         gen = self._gen
         alone = None
         if self._prefill is not None:
-            generation_batch(gen).keep_logprobs = bool(self._logprobs_of) or not prefill.DROP_UNASKED_LOGPROBS
+            generation_batch(gen).keep_logprobs = bool(self._logprobs_of)
             alone = lone_row(gen)
         if alone is not None:
             # Nothing to plan, prefill or join: the row's step as `stream_generate` takes it.

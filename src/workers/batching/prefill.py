@@ -213,7 +213,8 @@ class JoiningBatch(GenerationBatch):
 
     @_next_logprobs.setter
     def _next_logprobs(self, value: list[Any]) -> None:
-        self._logprobs_ahead = value if self.keep_logprobs else [None] * len(value)
+        keep = self.keep_logprobs or not DROP_UNASKED_LOGPROBS
+        self._logprobs_ahead = value if keep else [None] * len(value)
 
     @property
     def _next_tokens(self) -> Any:
@@ -285,7 +286,7 @@ class JoiningBatch(GenerationBatch):
             self._next_tokens = sampler(logprobs)
         finally:
             self._stepping = False
-        self._next_logprobs = [logprobs[0] if self.keep_logprobs else None]
+        self._next_logprobs = [logprobs[0]]
         mx.async_eval(self._tokens_ahead, self._next_logprobs)  # type: ignore[no-untyped-call]
         token: int = inputs.item()
         self.tokens[0].append(token)
