@@ -60,8 +60,11 @@ from scheduler.cli.bench.runner import Load, RunResult, run_load
 from scheduler.cli.bench.spread import run_spread
 from scheduler.cli.bench.targets import OpenAITarget, Record, Sampling, SchedulerTarget, http_client
 from workers.blas import blas_state, preload
-from workers.cuda import CUDA_DEFAULTS, apply_cuda_defaults
-from workers.loading.models import load_model, parse_synthetic, resolve_model
+from workers.cuda import CUDA_DEFAULTS
+from workers.loading.models import parse_synthetic, resolve_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import load_served  # noqa: E402
 
 BACKENDS = ("bare", "scheduler", "served", "ray", "mlx_lm.server", "mlx_lm.server-installed",
             "vllm-mlx", "llama.cpp", "sequential")
@@ -545,12 +548,11 @@ def main() -> None:
                               output_len=args.max_tokens, seed=seed)
 
     in_process = {"bare", "sequential"} & {b.partition(":")[0] for b in args.backends}
-    # Our in-process scheduler runs with the settings the worker applies, which MLX reads at its
-    # first GPU use: the bare loop and stream_generate load the model here first, so they apply
-    # first (and run with them too); peer servers keep MLX's own (`peer_env`).
-    apply_cuda_defaults("auto", Path(model_dir))
     # Only the bare loop and stream_generate use a model in this process (an 8B one is 16 GB).
-    model, tokenizer = load_model(str(model_dir)) if in_process else (None, None)
+    # Loaded after our worker's CUDA settings, which MLX reads at its first GPU use, so that our
+    # in-process scheduler runs with them (these two then do too); peer servers keep MLX's own
+    # (`peer_env`).
+    model, tokenizer = load_served(str(model_dir)) if in_process else (None, None)
     load_before = os.getloadavg()
     rows: list[dict[str, object]] = []
     runs: list[dict[str, object]] = []
