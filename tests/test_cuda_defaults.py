@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -21,8 +24,7 @@ from workers.cuda import (
 )
 from workers.loading.dtypes import CUDA_DEQUANTIZE_LIMIT, cuda_dequantizes, on_cuda
 
-if TYPE_CHECKING:
-    from pathlib import Path
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def test_cuda_gets_graphs_and_cudnn_attention_off_when_unset() -> None:
@@ -106,6 +108,23 @@ def test_settings_made_after_mlx_used_the_gpu_are_said_not_to_apply(monkeypatch:
     assert [e["event"] for e in logs] == ["cuda_defaults_applied"]
 
 
+def test_importing_the_scheduler_and_mlx_lm_is_not_a_use_of_mlx() -> None:
+    """mlx-lm's import makes its random key (8 bytes, from the host): no setting is read then, and
+    a scheduler started next must not be told its settings came too late."""
+    code = (
+        "import mlx.core as mx, scheduler, workers.batching.engine, mlx_lm.generate\n"
+        "from workers.cuda import mlx_used\n"
+        "before = (mx.get_peak_memory(), mlx_used())\n"
+        "mx.eval(mx.ones((256, 256)) * 2)\n"
+        "print(before[0], before[1], mlx_used())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)
+    peak, used_then, used_after = out.stdout.split()
+    assert int(peak) > 0  # the import did allocate: the check must see past it
+    assert (used_then, used_after) == ("False", "True")
+
+
 @pytest.mark.anyio
 @pytest.mark.integration
 async def test_a_scheduler_started_after_mlx_used_the_gpu_says_so_in_stats(
@@ -116,7 +135,7 @@ async def test_a_scheduler_started_after_mlx_used_the_gpu_says_so_in_stats(
 
     monkeypatch.setattr(workers.cuda, "on_cuda", lambda: True)
     _unset(monkeypatch)
-    mx.eval(mx.ones((64, 64)) + 1)  # this process has run MLX before the scheduler starts
+    mx.eval(mx.ones((256, 256)) + 1)  # this process has run MLX before the scheduler starts
     tokens, stats, samples, logs = await served_once(model_cache)
     assert tokens == 4  # served all the same
     assert stats.cuda_settings_applied is False

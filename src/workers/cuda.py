@@ -115,11 +115,18 @@ def apply_cuda_defaults(choice: str = "auto", model_dir: Path | None = None,
     return applied
 
 
+USED_BYTES = 64 * 2**10
+"""More than this allocated at once is MLX having done real work. Importing mlx-lm allocates a
+few bytes (its sampler's random key, made from host values) and launches nothing on the GPU, so
+MLX reads no setting then: on an H200 every process that imported mlx-lm held 8 bytes before its
+first GPU use."""
+
+
 def mlx_used() -> bool:
-    """Whether MLX has allocated anything in this process yet: on CUDA, a sign that it ran on the
-    GPU and read its settings (it allocates through the device's allocator on either stream, so
-    this can also be CPU work)."""
-    return mx.get_peak_memory() > 0
+    """Whether MLX has done real work in this process yet (`USED_BYTES`): on CUDA, a sign that it
+    ran on the GPU and read its settings (it allocates through the device's allocator on either
+    stream, so this can also be CPU work; a few small GPU operations go unnoticed)."""
+    return mx.get_peak_memory() > USED_BYTES
 
 
 def came_late(applied: Mapping[str, str], used_before: bool) -> str:
