@@ -58,3 +58,45 @@ def api_calls() -> Iterator[Calls]:
         if e.get("cat") in ("cuda_runtime", "cuda_driver"):
             calls.count[e["name"]] += 1
             calls.us[e["name"]] += e.get("dur", 0.0)
+
+
+SITE_CALLS = ("cudaMallocManaged", "cudaFree", "cudaMemcpy", "cudaMallocAsync", "cudaFreeAsync",
+              "cudaEventSynchronize", "cudaStreamSynchronize")
+"""The calls `call_sites` places: where memory comes and goes, and where the host waits."""
+
+
+def call_sites(events: list[dict[str, Any]], frames: int = 3) -> list[tuple[str, float, float, str]]:
+    """Each runtime call of `SITE_CALLS` in a profile taken with `with_stack=True`, as (name,
+    start us, duration us, site): the innermost `frames` Python frames around it, innermost first
+    (Python's frames nest, so one sweep a thread finds them)."""
+    spans: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)
+    calls: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "python_function" and "dur" in e:
+            spans[e.get("tid")].append((e["ts"], e["ts"] + e["dur"], _frame(e.get("name", "?"))))
+        elif e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("name") in SITE_CALLS:
+            calls[e.get("tid")].append(e)
+    out: list[tuple[str, float, float, str]] = []
+    for tid, mine in calls.items():
+        opened = sorted(spans.get(tid, []), key=lambda s: (s[0], -s[1]))
+        stack: list[tuple[float, float, str]] = []
+        i = 0
+        for e in sorted(mine, key=lambda c: c["ts"]):
+            ts = e["ts"]
+            while i < len(opened) and opened[i][0] <= ts:
+                while stack and stack[-1][1] < opened[i][0]:
+                    stack.pop()
+                stack.append(opened[i])
+                i += 1
+            while stack and stack[-1][1] < ts:
+                stack.pop()
+            site = " < ".join(s[2] for s in reversed(stack[-frames:])) or "(no Python frame)"
+            out.append((e["name"], ts, e.get("dur", 0.0), site))
+    return out
+
+
+def _frame(name: str) -> str:
+    """`.../mlx_lm/models/cache.py(941): prepare` as `cache.py:941 prepare`."""
+    where, _, func = name.partition(": ")
+    path, _, line = where.rstrip(")").partition("(")
+    return f"{path.rsplit('/', 1)[-1]}:{line} {func}" if func else name

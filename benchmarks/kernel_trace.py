@@ -45,7 +45,7 @@ from workers.cuda import apply_cuda_defaults
 from workers.loading.models import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_api import trace_events  # noqa: E402  (scripts beside this one)
+from cuda_api import SITE_CALLS, call_sites, trace_events  # noqa: E402  (scripts beside this one)
 from prefill_phases import admitter, engine_for  # noqa: E402
 
 DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -65,9 +65,10 @@ def traced_loop(model: Any, args: argparse.Namespace, variant: str, trace_dir: P
         if result.finished:
             engine.insert([admit() for _ in result.finished])
     mx.synchronize()
+    memory = {"cache_mb": mx.get_cache_memory() / 2**20, "active_mb": mx.get_active_memory() / 2**20}
     steps: list[dict[str, Any]] = []
     torch.cuda.init()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.api_sites) as prof:
         start = time.perf_counter()
         for i in range(args.steps):
             with record_function(f"engine_step_{i}"):
@@ -86,13 +87,41 @@ def traced_loop(model: Any, args: argparse.Namespace, variant: str, trace_dir: P
         name = variant.replace(":", "_")
         with gzip.open(trace_dir / f"trace-{name}.json.gz", "wt") as f:
             json.dump(events, f)
-    return charge(events, steps, wall, args.top)
+    out = charge(events, steps, wall, args.top)
+    out["memory_after_warmup"] = memory
+    if args.api_sites:
+        out["api"] = by_site(events, steps, args.top)
+    return out
+
+
+def by_site(events: list[dict[str, Any]], steps: list[dict[str, Any]], top: int) -> dict[str, Any]:
+    """Per class of step: each of `SITE_CALLS` a step (calls, ms) and, for those that allocate
+    unified memory, copy or free it, the Python sites that made them (calls a step)."""
+    windows = _windows(events)
+    prefilling = {i for i, s in enumerate(steps) if s["prefill_tokens"] > 0}
+    out: dict[str, Any] = {}
+    for cls, pick in (("decode only", lambda i: i not in prefilling), ("prefilling", lambda i: i in prefilling)):
+        n = sum(1 for i in range(len(steps)) if pick(i))
+        if not n:
+            continue
+        calls: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        sites: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for name, ts, dur, site in call_sites(events):
+            step = _window(windows, ts)
+            if step is None or not pick(step):
+                continue
+            calls[name][0] += 1 / n
+            calls[name][1] += dur / 1e3 / n
+            if name in ("cudaMallocManaged", "cudaFree", "cudaMemcpy"):
+                sites[name][site] += 1 / n
+        out[cls] = {"calls": {k: calls[k] for k in SITE_CALLS if k in calls},
+                    "sites": {k: sorted(v.items(), key=lambda x: -x[1])[:top] for k, v in sites.items()}}
+    return out
 
 
 def charge(events: list[dict[str, Any]], steps: list[dict[str, Any]], wall: float, top: int) -> dict[str, Any]:
     """Charges each device event to the step whose host range holds its launch."""
-    windows = sorted((e["ts"], e["ts"] + e["dur"], int(e["name"].rsplit("_", 1)[1]))
-                     for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith("engine_step_"))
+    windows = _windows(events)
     launch_step: dict[int, int] = {}
     for e in events:
         if e.get("cat") in LAUNCH_KINDS and "correlation" in e.get("args", {}):
@@ -140,6 +169,12 @@ def charge(events: list[dict[str, Any]], steps: list[dict[str, Any]], wall: floa
     return out
 
 
+def _windows(events: list[dict[str, Any]]) -> list[tuple[float, float, int]]:
+    """Each traced step's host range (start us, end us, step)."""
+    return sorted((e["ts"], e["ts"] + e["dur"], int(e["name"].rsplit("_", 1)[1]))
+                  for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith("engine_step_"))
+
+
 def _window(windows: list[tuple[float, float, int]], ts: float) -> int | None:
     lo, hi = 0, len(windows)
     while lo < hi:  # the last window starting at or before ts
@@ -174,12 +209,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--api-sites", action="store_true",
+                    help="also count MLX's allocations, frees, copies and waits a step, with the Python sites "
+                         "of the unified-memory ones (the profiler records Python's frames: slower still)")
+    ap.add_argument("--cache-gb", type=float, default=None,
+                    help="MLX's buffer cache limit (default: MLX's own; the scheduler bounds it, workers.factory)")
     ap.add_argument("--trace", help="a folder for each variant's Chrome trace (gzipped)")
     ap.add_argument("--out", default="benchmarks/results/kernel_trace.json")
     args = ap.parse_args()
     if not mx.is_available(mx.gpu) or mx.default_device().type != mx.DeviceType.gpu:
         raise SystemExit("kernel_trace.py traces CUDA kernels: it needs MLX's CUDA build on a GPU")
     apply_cuda_defaults()
+    if args.cache_gb is not None:
+        mx.set_cache_limit(int(args.cache_gb * 2**30))
     model, _ = load_model(args.model)
     args.vocab = min(2000, int(model.args.vocab_size))
     results = {}
@@ -196,6 +238,15 @@ def main() -> None:
                   f"{c['kernels']:.0f} kernels, {c['prefill_tokens']:.0f} prompt tokens a step (medians)")
             for name, ms in c["top"]:
                 print(f"      {ms:7.3f} ms  {name}")
+            api = r.get("api", {}).get(cls)
+            if api:
+                print("    calls a step: " + ", ".join(f"{k} {v[0]:.1f} ({v[1]:.2f} ms)" for k, v in api["calls"].items()))
+                for name, sites in api["sites"].items():
+                    print(f"    {name} by site, a step:")
+                    for site, count in sites:
+                        print(f"      {count:6.1f}  {site}")
+        print(f"  after warm-up: MLX's cache {r['memory_after_warmup']['cache_mb']:.0f} MiB, "
+              f"active {r['memory_after_warmup']['active_mb']:.0f} MiB")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "results": results, "load": os.getloadavg()[0],

@@ -91,6 +91,33 @@ def test_after_a_filter_the_padding_is_known_without_reading_the_device() -> Non
     assert ours.known_padding() == [0, 2]
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_the_layers_of_one_call_share_each_host_array_yet_hold_their_own(
+    share: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hostpad, "SHARE_HOST_ARRAYS", share)
+    monkeypatch.setattr(hostpad, "_held", type(hostpad._held)())
+    layers = [twin([3, 0, 5, 2], steps=4, seed=i) for i in range(6)]  # one batch, six layers
+    for theirs, ours in layers:
+        theirs.filter([0, 2, 3])
+        ours.filter([0, 2, 3])
+        same(theirs, ours)
+    # made from the host once for all six: the rows kept, and their padding less the shared 2
+    assert sorted(hostpad._held) == (sorted([(0, 2, 3), (1, 3, 0)]) if share else [])
+    pads = [ours.left_padding for _, ours in layers]
+    assert len({id(p) for p in pads}) == len(pads)
+    pads[0] += 1  # as mlx-lm's finalize adds to a layer's padding in place: that layer's alone
+    assert pads[0].tolist() == [2, 4, 1] and all(p.tolist() == [1, 3, 0] for p in pads[1:])
+    for theirs, ours in layers[1:]:  # a chunk right-padded into every layer, then rolled
+        for c in (theirs, ours):
+            c.prepare(lengths=[2, 1, 2], right_padding=[0, 1, 0])
+            kv = mx.ones((3, 2, 2, 4))
+            c.update_and_fetch(kv, kv)
+            c.finalize()
+        same(theirs, ours)
+    assert ((0, 1, 0) in hostpad._held) == share
+
+
 @pytest.mark.integration
 def test_the_engines_decoding_rows_use_host_padded_caches(model_cache: Path) -> None:
     model, _ = load_model("synthetic:tiny", model_cache)

@@ -426,14 +426,16 @@ def test_a_first_pass_padded_on_the_left_gives_the_tokens_of_right_padding_and_i
 ) -> None:
     from mlx_lm.models.cache import BatchKVCache
 
+    from workers.batching.hostpad import HostPaddedKVCache
+
     kinds: list[str] = []
-    prepare = BatchKVCache.prepare
+    for cls in (BatchKVCache, HostPaddedKVCache):  # the second prepares without calling the first
 
-    def counted(self: Any, **kw: Any) -> None:
-        kinds.append("left" if kw.get("left_padding") is not None else "right")
-        prepare(self, **kw)
+        def counted(self: Any, *, _prepare: Any = cls.prepare, **kw: Any) -> None:
+            kinds.append("left" if kw.get("left_padding") is not None else "right")
+            _prepare(self, **kw)
 
-    monkeypatch.setattr(BatchKVCache, "prepare", counted)
+        monkeypatch.setattr(cls, "prepare", counted)
     admits = workload(16, seed=5)
     left = run(engine(tiny_model, True, budget=budget, fuse=fuse, pad=pad), admits)
     lefts = kinds.count("left")

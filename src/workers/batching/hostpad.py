@@ -22,10 +22,19 @@ they form (rows that joined together tend to leave together), with the trimmed p
 off in the same copy: a quarter to three quarters of the gather's time for one or two runs
 (`benchmarks/cache_filter.py`). A single run is a view of the old arrays, rows that left
 included, until the next write or join copies it.
+
+**Host arrays, once a batch.** A batch has one cache a layer, and mlx-lm changes them one layer
+at a time: each call that makes an array from Python values (the rows kept, their padding, a
+chunk's right padding) made one a layer. On CUDA such an array lives in unified memory, and once
+MLX's buffer cache is full (a long run of new shapes fills it) each one freed is a `cudaFree`,
+which waits for the whole device: on an H200 with an 8 GiB cache, a step that prefilled 512
+tokens made 13 of them (`benchmarks/kernel_trace.py --api-sites`). `host_ints` makes the array
+once for all the layers of a call, and gives each layer an array of its own over its buffer.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,11 +45,33 @@ ENABLED = True
 """Benchmarks turn it off to measure mlx-lm's own reads side by side."""
 COPY_RUNS = True
 """Benchmarks turn it off to measure the gather of mlx-lm's filter side by side."""
+SHARE_HOST_ARRAYS = True
+"""Benchmarks turn it off to measure an array made from host values per layer (mlx-lm's way)."""
 MAX_RUNS = 4
 """More runs than this are gathered: each run costs a copy of every layer's keys and values to
 launch. On an H100 eight runs (eight rows leaving, spread) cost the 0.5B shape 1.1-1.2x the gather
 (and the 1B shape 0.55x); one or two runs cost 0.25-0.75x (`benchmarks/cache_filter.py`)."""
 _problem: str | None = None
+_HELD = 8
+"""Host arrays kept for reuse: a call over every layer uses two or three (rows kept, padding)."""
+_held: OrderedDict[tuple[int, ...], mx.array] = OrderedDict()
+
+
+def host_ints(values: Sequence[int]) -> mx.array:
+    """`mx.array(values, int32)`, made from the host once for every layer that asks for the same
+    values in turn; each caller gets an array of its own (mlx-lm adds to some in place) that
+    shares the one buffer, which no kernel copies."""
+    if not SHARE_HOST_ARRAYS:
+        return mx.array(list(values), dtype=mx.int32)
+    key = tuple(values)
+    held = _held.get(key)
+    if held is None:
+        held = _held[key] = mx.array(list(key), dtype=mx.int32)
+        while len(_held) > _HELD:
+            _held.popitem(last=False)
+    else:
+        _held.move_to_end(key)
+    return mx.stop_gradient(held)
 
 
 class HostPaddedKVCache(BatchKVCache):
@@ -68,12 +99,19 @@ class HostPaddedKVCache(BatchKVCache):
         return values
 
     def prepare(self, *, left_padding: Any = None, lengths: Any = None, right_padding: Any = None) -> None:
+        """mlx-lm's `prepare` (which ignores `lengths`), its arrays from `host_ints`."""
         host = self.padding()
-        super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)  # type: ignore[no-untyped-call]
         if left_padding is not None:
+            if self.keys is not None:
+                raise ValueError("Left padding can only be added to an empty BatchKVCache")
+            added = host_ints([int(p) for p in left_padding])
+            self.left_padding = self.left_padding + added
+            self.offset = self.offset - added
             host = [h + int(p) for h, p in zip(host, left_padding, strict=True)]
+        if right_padding is not None and max(right_padding) > 0:
+            self._right = [int(p) for p in right_padding]
+            self._right_padding = host_ints(self._right)  # type: ignore[assignment]
         self._host = (self.left_padding, host)
-        self._right = [int(p) for p in right_padding] if self._right_padding is not None else None
 
     def finalize(self) -> None:
         host, right = self.padding(), self._right
@@ -96,7 +134,7 @@ class HostPaddedKVCache(BatchKVCache):
             self._host = (self.left_padding, joined)
 
     def _set_padding(self, values: list[int]) -> None:
-        self.left_padding = mx.array(values, dtype=mx.int32)
+        self.left_padding = host_ints(values)
         self._host = (self.left_padding, values)
 
     def filter(self, batch_indices: Any) -> None:
@@ -110,7 +148,7 @@ class HostPaddedKVCache(BatchKVCache):
         if self.keys is not None:
             self.keys = kept_rows(self.keys, keep, shift)
             self.values = kept_rows(self.values, keep, shift)
-        self.offset = self.offset[keep]
+        self.offset = self.offset[host_ints(keep)]
         self._idx -= shift
         self._set_padding([p - shift for p in kept])
 
@@ -141,7 +179,7 @@ def kept_rows(a: mx.array, keep: list[int], shift: int) -> mx.array:
     view for a single run), else by mlx-lm's gather."""
     spans = runs(keep) if COPY_RUNS else []
     if not spans or len(spans) > MAX_RUNS:
-        kept = a[keep]
+        kept = a[host_ints(keep)]
         return kept[..., shift:, :] if shift > 0 else kept
     parts = [a[start:stop, :, shift:, :] for start, stop in spans]
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
@@ -199,6 +237,8 @@ def _mismatch() -> str | None:
             return f"after BatchKVCache.{what}, the padding is no longer known on the host"
         if mine.padding() != theirs.left_padding.tolist() or mine._idx != theirs._idx:
             return f"BatchKVCache.{what} moved the rows' padding otherwise than mirrored"
+        if mine.offset.tolist() != theirs.offset.tolist():
+            return f"BatchKVCache.{what} moved the rows' offsets otherwise than mirrored"
         return None
 
     theirs, mine = twin([2, 0, 1], 3)
@@ -209,6 +249,12 @@ def _mismatch() -> str | None:
         c.update_and_fetch(kv, kv)
         c.finalize()
     problem = differs("prepare/finalize", their_prompt, my_prompt)
+    their_fresh, my_fresh = twin([0, 0], 0)
+    for c in (their_fresh, my_fresh):  # a first chunk padded on the left, as `PipelinedPrefill`'s
+        c.prepare(left_padding=[1, 0])
+        kv = mx.ones((2, 1, 2, 2))
+        c.update_and_fetch(kv, kv)
+    problem = problem or differs("prepare(left_padding)", their_fresh, my_fresh)
     theirs.extend(their_prompt)
     mine.extend(my_prompt)
     problem = problem or differs("extend", theirs, mine)
