@@ -16,10 +16,16 @@ prefill work:
   host, launching);
 - the kernels that take the most device time a step, by name.
 
+With `--api-sites`, also each step's CUDA allocations, frees, copies and waits (`cudaMallocAsync`,
+`cudaMallocManaged`, `cudaFree`, ...) and the Python frames around each one in unified memory,
+whose `cudaFree` waits for the whole device; `--cache-gb` bounds MLX's buffer cache as the
+scheduler does (MLX's own limit is most of the device, which a short trace never fills).
+
 Needs CUDA and PyTorch in the same environment as MLX's CUDA build (the device machines' image
 has it); writes the table and JSON (`--out`), and with `--trace DIR` each variant's Chrome trace.
 
     python benchmarks/kernel_trace.py --model synthetic:qwen2.5-0.5b --variants 0 512 --concurrency 64
+    python benchmarks/kernel_trace.py --variants 512 512:perlayer --api-sites --cache-gb 8
 """
 
 from __future__ import annotations
