@@ -72,6 +72,8 @@
 #               speed drifted between deployments by more than two replicas');
 #               TP_MAX_TOKENS and TP_REPEAT lengthen (b)'s rounds (64 tokens: a round of 2-4 s, too
 #               short to pin the two-replica ratio down within 10%)
+#   settings-read benchmarks/settings_read.py: whether a first start's GGUF conversion leaves MLX's CUDA
+#               settings unread (MODELS=smollm2-135m, staged by benchmarks/stage_smollm2.sh)
 #   cold-start  benchmarks/cold_start.py: a fresh process's first rounds (256 requests at once) with an
 #               empty kernel directory, with and without the load-time kernel build (a quantized
 #               model's matmuls, every model's engine warm-up), then a second process on the built
@@ -222,6 +224,8 @@ for s in "${stages[@]}"; do
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency ${RAY_CONC:-1 64 256} \
           --warmup 1 --repeat ${REPEAT:-1} --waves ${RAY_WAVES:-2} --backends ${RAY_BACKENDS:-scheduler served ray} \
           ${RAY_ARGS:-} --out "$out/ray-path-$m.json" ;;
+      settings-read)
+        timeout "$limit" python3 -P benchmarks/settings_read.py --model "$(spec "$m")" --out "$out/settings-read-$m.json" ;;
       cold-start)
         timeout "$limit" python3 -P benchmarks/cold_start.py --model "$(spec "$m")" --timeout $((limit / 3)) \
           --out "$out/cold-start-$m.json" ;;

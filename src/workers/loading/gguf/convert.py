@@ -45,7 +45,10 @@ def gguf_model_dir(path: str | os.PathLike[str], cache_dir: str | os.PathLike[st
     if final.is_dir():
         return final
     started = time.perf_counter()
-    out = build_atomically(final, lambda tmp: convert(source, tmp))
+    # On the CPU: MLX reads its CUDA settings at its first GPU use, and the worker sets them only
+    # once it knows what this conversion makes (whether the model stays quantized).
+    with mx.stream(mx.cpu):
+        out = build_atomically(final, lambda tmp: convert(source, tmp))
     log.info("gguf_converted", path=str(source), into=str(out),
              seconds=round(time.perf_counter() - started, 2))
     return out
