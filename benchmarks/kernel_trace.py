@@ -138,6 +138,7 @@ def charge(events: list[dict[str, Any]], steps: list[dict[str, Any]], wall: floa
     per_step_busy: dict[int, float] = defaultdict(float)
     per_step_kernels: dict[int, int] = defaultdict(int)
     per_step_names: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    per_step_launches: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     uncharged = 0
     for e in device:
         step = launch_step.get(e.get("args", {}).get("correlation", -1))
@@ -149,6 +150,7 @@ def charge(events: list[dict[str, Any]], steps: list[dict[str, Any]], wall: floa
         per_step_busy[step] += e["dur"] / 1e3
         per_step_kernels[step] += 1
         per_step_names[step][_short(e)] += e["dur"] / 1e3
+        per_step_launches[step][_short(e)] += 1
     busy_total = sum(e["dur"] for e in device) / 1e6
     out: dict[str, Any] = {"wall_s": wall, "steps": len(steps), "device_busy_share": busy_total / wall,
                            "device_events": len(device), "charged_by_time": uncharged, "classes": {}}
@@ -162,8 +164,8 @@ def charge(events: list[dict[str, Any]], steps: list[dict[str, Any]], wall: floa
             for n, ms in per_step_names[i].items():
                 names[n] += ms / len(idx)
         for i in idx:
-            for n in per_step_names[i]:
-                counts[n] += 1 / len(idx)
+            for n, k in per_step_launches[i].items():
+                counts[n] += k / len(idx)
         out["classes"][cls] = {
             "steps": len(idx),
             "wall_ms": statistics.median(steps[i]["wall_ms"] for i in idx),
@@ -171,6 +173,7 @@ def charge(events: list[dict[str, Any]], steps: list[dict[str, Any]], wall: floa
             "kernels": statistics.median(per_step_kernels[i] for i in idx),
             "prefill_tokens": statistics.mean(steps[i]["prefill_tokens"] for i in idx),
             "top": sorted(([n, ms] for n, ms in names.items()), key=lambda x: -x[1])[:top],
+            "most_launched": sorted(([n, k] for n, k in counts.items()), key=lambda x: -x[1])[:top],
         }
     return out
 
@@ -218,6 +221,7 @@ def main() -> None:
     ap.add_argument("--api-sites", action="store_true",
                     help="also count MLX's allocations, frees, copies and waits a step, with the Python sites "
                          "of the unified-memory ones (the profiler records Python's frames: slower still)")
+    ap.add_argument("--launches", action="store_true", help="also print the kernels launched most often a step")
     ap.add_argument("--cache-gb", type=float, default=None,
                     help="MLX's buffer cache limit (default: MLX's own; the scheduler bounds it, workers.factory)")
     ap.add_argument("--trace", help="a folder for each variant's Chrome trace (gzipped)")
@@ -244,6 +248,10 @@ def main() -> None:
                   f"{c['kernels']:.0f} kernels, {c['prefill_tokens']:.0f} prompt tokens a step (medians)")
             for name, ms in c["top"]:
                 print(f"      {ms:7.3f} ms  {name}")
+            if args.launches:
+                print("    most launched, a step:")
+                for name, k in c["most_launched"]:
+                    print(f"      {k:7.1f}  {name}")
             api = r.get("api", {}).get(cls)
             if api:
                 print("    calls a step: " + ", ".join(f"{k} {v[0]:.1f} ({v[1]:.2f} ms)" for k, v in api["calls"].items()))
