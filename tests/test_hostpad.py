@@ -131,9 +131,11 @@ def test_the_engines_decoding_rows_use_host_padded_caches(model_cache: Path) -> 
         r = e.step()
         finished += r.finished
         kinds |= {type(c) for c in generation_batch(e._gen).prompt_cache}
+    held = len(hostpad._held)  # rows left one by one: each filter's arrays were made once
     e.close()
     assert kinds == {HostPaddedKVCache}
     assert sorted(finished) == [0, 1, 2, 3]
+    assert held > 0 and not hostpad._held  # and go with the engine, on its thread
 
 
 def held_padding_matches(e: MLXEngine) -> int:

@@ -18,6 +18,7 @@ from workers.batching.choices import fuses, pads
 from workers.batching.contract import StepResult
 from workers.batching.fused import unfusable
 from workers.batching.grammar import GrammarRows
+from workers.batching.hostpad import forget_host_ints
 from workers.batching.kvstore import KVStore, LayerKV, common_prefix
 from workers.batching.logits import Wanted, processors
 from workers.batching.maskfree import MaskFreeDecode
@@ -377,6 +378,7 @@ class MLXEngine:
 
     def close(self) -> None:
         self._gen.close()
+        forget_host_ints()
         self._emitting.clear()
         self._rid_of.clear()
         self._uid_of.clear()

@@ -74,6 +74,12 @@ def host_ints(values: Sequence[int]) -> mx.array:
     return mx.stop_gradient(held)
 
 
+def forget_host_ints() -> None:
+    """Drop the arrays `host_ints` keeps, on the thread that made them, as its engine closes
+    (MLX work outliving a joined thread can abort the interpreter at exit: see MLX-NOTES)."""
+    _held.clear()
+
+
 class HostPaddedKVCache(BatchKVCache):
     """mlx-lm's batch KV cache with its rows' left padding also kept on the host."""
 
