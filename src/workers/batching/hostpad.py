@@ -28,7 +28,7 @@ at a time: each call that makes an array from Python values (the rows kept, thei
 chunk's right padding) made one a layer. On CUDA such an array lives in unified memory, and once
 MLX's buffer cache is full (a long run of new shapes fills it) each one freed is a `cudaFree`,
 which waits for the whole device: on an H200 with an 8 GiB cache, a step that prefilled 512
-tokens made 13 of them (`benchmarks/kernel_trace.py --api-sites`). `host_ints` makes the array
+tokens made 14 of them (`benchmarks/kernel_trace.py --api-sites`). `host_ints` makes the array
 once for all the layers of a call, and gives each layer an array of its own over its buffer.
 """
 
