@@ -70,6 +70,11 @@ def main() -> None:
     if args.way:
         print(json.dumps(one(args.model, args.way, args.cache)))
         return
+    import workers  # noqa: F401  (OpenBLAS before MLX)
+    from workers.loading.dtypes import on_cuda
+
+    if not on_cuda():
+        raise SystemExit("settings_read.py checks MLX's CUDA settings: it needs MLX's CUDA build on a GPU")
     rows = []
     for way in WAYS:
         with tempfile.TemporaryDirectory() as cache:
