@@ -251,10 +251,12 @@ def _mismatch() -> str | None:
     their_prompt, my_prompt = twin([0, 0], 0)
     for c in (their_prompt, my_prompt):  # a chunk of two right-padded prompts, as mlx-lm's prompt
         c.prepare(lengths=[2, 1], right_padding=[0, 1])
-        kv = mx.ones((2, 1, 2, 2))
+        kv = mx.arange(8, dtype=mx.float32).reshape(2, 1, 2, 2)  # distinct: the roll shows
         c.update_and_fetch(kv, kv)
         c.finalize()
     problem = differs("prepare/finalize", their_prompt, my_prompt)
+    if not problem and not mx.array_equal(their_prompt.keys, my_prompt.keys).item():
+        problem = "after BatchKVCache.prepare and finalize the keys are not where mlx-lm puts them"
     their_fresh, my_fresh = twin([0, 0], 0)
     for c in (their_fresh, my_fresh):  # a first chunk padded on the left, as `PipelinedPrefill`'s
         c.prepare(left_padding=[1, 0])
