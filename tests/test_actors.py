@@ -49,6 +49,19 @@ async def wait_idle(sched: Scheduler) -> None:
         await anyio.sleep(0.005)
 
 
+async def wait_actors_waiting(sched: Scheduler) -> None:
+    """Until the admission actor and the pool both wait on empty inboxes: a message of the last
+    request still on its way to one of them (its last step, its blocks' release) would otherwise
+    have the next request queued by the actor rather than within its caller's task."""
+    admission, pool = sched._admission, sched._pool
+    assert admission is not None and pool is not None
+    while True:
+        inbox = pool._inbox.statistics()
+        if admission._waiting() and inbox.tasks_waiting_receive > 0 and inbox.current_buffer_used == 0:
+            return
+        await anyio.sleep(0.005)
+
+
 async def test_concurrent_requests_complete_with_their_own_tokens() -> None:
     engine = FakeEngine()
     with anyio.fail_after(20):
@@ -531,6 +544,7 @@ async def test_a_request_reaches_the_worker_from_its_callers_task_unless_it_has_
             outputs, callers = [], []
             for timeout in (None, 30.0, None):
                 await wait_idle(s)
+                await wait_actors_waiting(s)
                 callers.append(anyio.get_current_task().id)
                 outputs.append((await s.complete([1, 2], SamplingParams(max_tokens=4), timeout=timeout)).token_ids)
             await wait_idle(s)
