@@ -95,7 +95,8 @@
 #               CUDA profiler, each kernel charged to the step that launched it: device busy ms and kernels a
 #               step, decode-only steps against prefilling ones, for $TRACE_VARIANTS ("0 512"); needs the
 #               image's torch beside MLX's CUDA build; TRACE_ARGS="--api-sites --cache-gb 8" adds the
-#               allocations, frees and waits a step, with the Python sites of those in unified memory
+#               allocations, frees and waits a step, with the Python sites of those in unified memory;
+#               "--launches" the kernels launched most often a step
 #   cache-filter benchmarks/cache_filter.py: rows leaving a batch cache of 64 and 256 rows, copied by MLX's
 #               gather (mlx-lm's filter) against by contiguous runs (ours)
 #   shape-cost  benchmarks/shape_cost.py: ops of a prefilling step (a projection, attention, rope) on
