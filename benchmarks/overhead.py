@@ -160,8 +160,9 @@ def load_served(spec: str) -> tuple[Any, Any]:
     from workers.cuda import apply_cuda_defaults
     from workers.loading.models import load_model, resolve_model
 
-    apply_cuda_defaults("auto", resolve_model(spec))
-    return load_model(spec)
+    directory = resolve_model(spec)
+    apply_cuda_defaults("auto", directory)
+    return load_model(str(directory))
 
 
 def throughput(run: tuple[int, float]) -> float:
