@@ -175,24 +175,31 @@ def charge(events: list[dict[str, Any]], steps: list[dict[str, Any]], wall: floa
             "top": sorted(([n, ms] for n, ms in names.items()), key=lambda x: -x[1])[:top],
             "most_launched": sorted(([n, k] for n, k in counts.items()), key=lambda x: -x[1])[:top],
         }
-    out["around"] = around(steps, per_step_busy, per_step_kernels)
+    out["around"] = around(steps, per_step_busy, per_step_kernels, per_step_names, top)
     return out
 
 
 def around(steps: list[dict[str, Any]], busy: dict[int, float], kernels: dict[int, int],
-           after: int = 4) -> list[dict[str, float]]:
+           names: dict[int, dict[str, float]], top: int, after: int = 4) -> list[dict[str, Any]]:
     """The steps from each prefilling one to `after` steps later (medians over the prefilling
-    steps): with a pipelined decode a step's wall time holds its wait for the step before, and a
-    chunk carried by a decode pass is the next step's work, so a stall spreads over a few steps."""
+    steps; each offset's kernels that took the most device time, means): with a pipelined decode
+    a step's wall time holds its wait for the step before, and a chunk carried by a decode pass
+    is the next step's work, so a stall spreads over a few steps."""
     starts = [i for i, s in enumerate(steps) if s["prefill_tokens"] > 0 and i + after < len(steps)]
     rows = []
     for k in range(after + 1):
-        if starts:
-            rows.append({"offset": k,
-                         "wall_ms": statistics.median(steps[i + k]["wall_ms"] for i in starts),
-                         "busy_ms": statistics.median(busy[i + k] for i in starts),
-                         "kernels": statistics.median(kernels[i + k] for i in starts),
-                         "prefill_tokens": statistics.median(steps[i + k]["prefill_tokens"] for i in starts)})
+        if not starts:
+            break
+        spent: dict[str, float] = defaultdict(float)
+        for i in starts:
+            for n, ms in names[i + k].items():
+                spent[n] += ms / len(starts)
+        rows.append({"offset": k,
+                     "wall_ms": statistics.median(steps[i + k]["wall_ms"] for i in starts),
+                     "busy_ms": statistics.median(busy[i + k] for i in starts),
+                     "kernels": statistics.median(kernels[i + k] for i in starts),
+                     "prefill_tokens": statistics.median(steps[i + k]["prefill_tokens"] for i in starts),
+                     "top": sorted(([n, ms] for n, ms in spent.items()), key=lambda x: -x[1])[:top]})
     return rows
 
 
@@ -281,6 +288,9 @@ def main() -> None:
             print("  from a prefilling step on (medians over them): " + "; ".join(
                 f"+{a['offset']}: wall {a['wall_ms']:.1f}, busy {a['busy_ms']:.1f} ms, {a['kernels']:.0f} kernels"
                 for a in r["around"]))
+            print("    the step after it, its kernels that took the most device time (means):")
+            for name, ms in r["around"][1]["top"] if len(r["around"]) > 1 else []:
+                print(f"      {ms:7.3f} ms  {name}")
         print(f"  after warm-up: MLX's cache {r['memory_after_warmup']['cache_mb']:.0f} MiB, "
               f"active {r['memory_after_warmup']['active_mb']:.0f} MiB")
     out = Path(args.out)
