@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models import llama, phi3, qwen2, qwen3
 from mlx_lm.models.cache import BatchKVCache
 
-from workers.batching.fused import forward, packing, take_rows, unfusable
+from workers.batching.fused import forward, packing, unfusable
 
 SHAPE: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -147,12 +147,3 @@ def test_blocks_it_does_not_restate_are_named() -> None:
     other = phi3.Model(phi3.ModelArgs(model_type="phi3", **SHAPE))  # one fused qkv projection
     assert "mlx_lm.models.phi3.TransformerBlock" in unfusable(other)
     assert "no list of layers" in unfusable(object())
-
-
-@pytest.mark.parametrize("width", [64, 6, 3])  # 8-byte words, 4-byte words, neither
-def test_rows_taken_as_words_are_the_rows(width: int) -> None:
-    t = mx.random.normal((9, width)).astype(mx.bfloat16)
-    rows = mx.array([4, 0, 8, 4])
-    got = take_rows(t, rows)
-    assert got.dtype == mx.bfloat16 and got.shape == (4, width)
-    assert mx.array_equal(got, mx.take(t, rows, axis=0)).item()

@@ -60,17 +60,6 @@ def packing(tokens: list[list[int]], starts: list[int], length: int) -> Packing:
     return Packing(mx.array(flat), mx.array(take), mx.array(place))
 
 
-def take_rows(t: mx.array, rows: mx.array) -> mx.array:
-    """`t`'s rows at `rows` (`mx.take(t, rows, axis=0)`), moved as 8-byte words where a row's
-    bytes allow: MLX's CUDA gather moves one element a thread, and for rows of bfloat16 it took
-    2.5 ms a step of a 1B model's packed chunk, about ten times what the bytes cost."""
-    width = t.shape[-1] * t.dtype.size
-    word = next((w for w in (mx.uint64, mx.uint32) if width % w.size == 0), None)
-    if word is None or t.ndim != 2:
-        return mx.take(t, rows, axis=0)
-    return mx.take(t.view(word), rows, axis=0).view(t.dtype)
-
-
 def unfusable(model: Any) -> str:
     """Why `model`'s decode steps cannot carry a prefill chunk ("" when they can)."""
     inner = getattr(model, "model", None)
@@ -139,7 +128,7 @@ def forward(model: Any, inputs: mx.array, caches: list[Any], chunk: mx.array,
     place = None if packed is None else packed.place + rows
 
     def laid_out(t: mx.array) -> mx.array:  # the chunk's rows of `t`, in the chunk's places
-        return t[rows:flat] if place is None else take_rows(t, place)
+        return t[rows:flat] if place is None else mx.take(t, place, axis=0)
 
     last = len(inner.layers) - 1
     for i, (layer, dc, cc) in enumerate(zip(inner.layers, caches, chunk_caches, strict=True)):
@@ -152,7 +141,7 @@ def forward(model: Any, inputs: mx.array, caches: list[Any], chunk: mx.array,
                                 chunk_mask)
             parts = [
                 _attend(attn, q[:rows], k[:rows], v[:rows], rows, 1, dc, decode_mask),
-                chunk_out if packed is None else take_rows(chunk_out, packed.take),
+                chunk_out if packed is None else mx.take(chunk_out, packed.take, axis=0),
             ]
             if extra:
                 parts.append(mx.zeros((extra, parts[0].shape[-1]), parts[0].dtype))
