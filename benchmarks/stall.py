@@ -15,8 +15,7 @@ prefill chunk), `:queued` / `:blocking` set `[worker] prefill_chunks`, and `:mlx
 own batch-cache filter, which waits for the device to read the rows' padding, `:gatherfilter`
 copies the rows that stay by MLX's gather (as mlx-lm's filter) rather than by runs, `:rollpad`
 right-pads every prefill pass and rolls its caches (as mlx-lm does), even a first one, `:perlayer`
-makes each layer's cache its own arrays from host values (as mlx-lm does), `:unpacked` runs a
-carried chunk's projections and MLPs on its padding too (`fused.PACK`), `:nogc` turns
+makes each layer's cache its own arrays from host values (as mlx-lm does), `:nogc` turns
 Python's garbage collector off for the timed run (every run reports the collector's pauses);
 `:key=value` sets any `[worker]` setting (`0:prefill_batch=4:prefill_pack=false`):
 
@@ -42,16 +41,15 @@ import anyio
 
 from metrics import configure_logging, summarize
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
-from workers.batching import fused, hostpad
+from workers.batching import hostpad
 from workers.batching.prefill import PipelinedPrefill
 
 PEER = "mlx_lm.server"
-FLAGS = ("keepcache", "queued", "blocking", "mlxpad", "gatherfilter", "rollpad", "perlayer", "unpacked",
-         "nogc")
+FLAGS = ("keepcache", "queued", "blocking", "mlxpad", "gatherfilter", "rollpad", "perlayer", "nogc")
 """Variant flags: MLX's clear_cache a no-op; prefill chunks queued or blocking; mlx-lm's own
 batch-cache filter (it reads the rows' padding from the device) instead of ours; ours copying the
 rows that stay by gather rather than by runs; every pass right-padded and rolled; an array from
-host values per layer rather than one per call; a carried chunk's padding computed; Python's cyclic garbage collector off during the
+host values per layer rather than one per call; Python's cyclic garbage collector off during the
 timed run."""
 
 
@@ -291,7 +289,6 @@ def compare(args: argparse.Namespace) -> None:
             hostpad.ENABLED = "mlxpad" not in flags
             hostpad.COPY_RUNS = "gatherfilter" not in flags
             hostpad.SHARE_HOST_ARRAYS = "perlayer" not in flags
-            fused.PACK = "unpacked" not in flags
             PipelinedPrefill._fresh = rollpad if "rollpad" in flags else fresh  # type: ignore[method-assign]
             try:
                 if variant == PEER:
@@ -304,7 +301,6 @@ def compare(args: argparse.Namespace) -> None:
                 hostpad.ENABLED = True
                 hostpad.COPY_RUNS = True
                 hostpad.SHARE_HOST_ARRAYS = True
-                fused.PACK = True
                 PipelinedPrefill._fresh = fresh  # type: ignore[method-assign]
             traces.setdefault(variant, result.pop("itl_trace"))
             runs[variant].append(result)

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models import llama, phi3, qwen2, qwen3
 from mlx_lm.models.cache import BatchKVCache
 
-from workers.batching.fused import forward, packing, unfusable
+from workers.batching.fused import forward, unfusable
 
 SHAPE: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -84,63 +84,6 @@ def test_rows_padded_to_a_multiple_change_nothing(kind: str) -> None:
     for a, b in zip(plain_chunk + plain, padded_chunk + padded, strict=True):
         assert a._idx == b._idx
         assert mx.allclose(a.keys[..., : a._idx, :], b.keys[..., : b._idx, :], atol=1e-5).item()
-
-
-def test_a_packing_places_each_real_token() -> None:
-    packed = packing([[7, 8], [9, 10, 11], [12]], [1, 0, 2], 3)  # left, none, right of one short
-    assert packed.tokens.tolist() == [7, 8, 9, 10, 11, 12]
-    assert packed.take.tolist() == [1, 2, 3, 4, 5, 8]
-    # padding places read the first real token: masked keys, outputs nobody reads
-    assert packed.place.tolist() == [0, 0, 1, 2, 3, 4, 0, 0, 5]
-    flat = mx.array([[0, 7, 8], [9, 10, 11], [0, 0, 12]]).reshape(-1)
-    assert mx.take(flat, packed.take).tolist() == packed.tokens.tolist()
-
-
-def fresh_chunk_caches(model: Any) -> list[Any]:
-    """Two prompts with nothing in yet, the second one left-padded by 2 (a first chunk)."""
-    return [BatchKVCache([0, 2]) for _ in model.model.layers]
-
-
-def real_keys(cache: Any, row: int) -> tuple[mx.array, mx.array]:
-    """Row `row`'s keys and values past its padding, after the cache's `finalize`."""
-    start = cache.left_padding[row].item()
-    return cache.keys[row, :, start: cache._idx, :], cache.values[row, :, start: cache._idx, :]
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("layout", ["right-padded over a first chunk", "left-padded, first"])
-def test_a_packed_chunk_gives_what_the_two_passes_give(kind: str, layout: str) -> None:
-    """The projections and MLPs on the chunk's real tokens alone: the decode rows' logits and the
-    chunk's real keys and values are those of the two passes apart, and the caches' next step
-    reads none of the padding places (their logits agree too)."""
-    model = build(kind)
-    inputs = mx.array([[12], [13], [14]])
-    if layout == "left-padded, first":
-        chunk, starts, fresh = mx.array([[20, 21, 22, 23], [0, 0, 24, 25]]), [0, 2], fresh_chunk_caches
-    else:
-        chunk, starts, fresh = mx.array([[20, 21, 22, 23], [24, 25, 0, 0]]), [0, 0], chunk_caches
-    real = [[20, 21, 22, 23], [24, 25]]
-    apart, apart_chunk = decode_caches(model), fresh(model)
-    logits = model(inputs, cache=apart)
-    model(chunk, cache=apart_chunk)
-    together, together_chunk = decode_caches(model), fresh(model)
-    packed = packing(real, starts, 4)
-    got = forward(model, inputs, together, chunk, together_chunk, pad_rows=16, packed=packed)
-    assert got.shape == logits.shape == (3, 1, 256)
-    assert mx.allclose(got, logits, atol=1e-4).item()
-    for a, b in zip(apart_chunk, together_chunk, strict=True):
-        if layout != "left-padded, first":
-            a.finalize()
-            b.finalize()
-        assert a._idx == b._idx and a.left_padding.tolist() == b.left_padding.tolist()
-        for row in range(2):
-            for x, y in zip(real_keys(a, row), real_keys(b, row), strict=True):
-                assert mx.allclose(x, y, atol=1e-4).item()
-    for a, b in zip(apart, together, strict=True):
-        assert mx.allclose(a.keys[..., : a._idx, :], b.keys[..., : b._idx, :], atol=1e-4).item()
-    after = mx.array([[30], [31]])
-    assert mx.allclose(model(after, cache=together_chunk), model(after, cache=apart_chunk),
-                       atol=1e-4).item()
 
 
 def test_blocks_it_does_not_restate_are_named() -> None:

@@ -264,29 +264,6 @@ def test_auto_fuses_on_the_cpu_and_cuda_backends_not_on_metal() -> None:
         fuses("sometimes", gpu=False)
 
 
-@pytest.mark.parametrize(("budget", "pad"), [(0, 0), (0, 16), (24, 16)])
-def test_chunks_packed_to_their_real_tokens_give_the_tokens_of_padded_ones(
-    tiny_model: Any, monkeypatch: pytest.MonkeyPatch, budget: int, pad: int
-) -> None:
-    packed: list[tuple[int, int]] = []  # each packed chunk's real tokens and places
-    made = fused.packing
-
-    def recorded(tokens: list[list[int]], starts: list[int], length: int) -> fused.Packing:
-        p = made(tokens, starts, length)
-        packed.append((p.tokens.size, p.place.size))
-        return p
-
-    monkeypatch.setattr(fused, "packing", recorded)
-    admits = workload(16, seed=3)
-    got = run(engine(tiny_model, True, budget=budget, pad=pad), admits)
-    assert len(packed) > 2 and all(real < places for real, places in packed)
-    monkeypatch.setattr(fused, "PACK", False)
-    count = len(packed)
-    assert run(engine(tiny_model, True, budget=budget, pad=pad), admits) == got
-    assert len(packed) == count  # with it off, every chunk's pass computed its padding
-    assert [len(got[a.rid]) for a in admits] == [a.max_tokens for a in admits]
-
-
 @pytest.fixture
 def lengths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The length of every prefill pass's token array, as the prompt batch prepares them."""

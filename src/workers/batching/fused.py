@@ -15,8 +15,7 @@ MLP, each with a residual. A test checks the fused pass against the two passes a
 
 from __future__ import annotations
 
-from itertools import repeat
-from typing import Any, NamedTuple
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
@@ -24,40 +23,6 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 BLOCKS = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 """mlx-lm's modules whose `TransformerBlock` and `Attention` the fused pass re-states (qwen3's
 attention normalizes each head's queries and keys, `q_norm` and `k_norm`, before the rotation)."""
-
-
-PACK = True
-"""Run the projections and MLPs on a chunk's real tokens only (`Packing`); False computes its
-padding as well (a switch for benchmarks to measure what packing buys)."""
-
-
-class Packing(NamedTuple):
-    """A padded chunk's real tokens, packed: a pass of prompts of unlike lengths pads every row to
-    the longest (for prompts of 64-512 tokens, about 40% of the tokens of a pass of eight), and
-    only the attention needs the rows' padded layout."""
-
-    tokens: mx.array
-    """`(n,)`: the real tokens, row after row."""
-    take: mx.array
-    """`(n,)`: each real token's place in the chunk, flattened (`prompts * length` places)."""
-    place: mx.array
-    """`(prompts * length,)`: the real token at each place. A padding place gets the first real
-    token's: its keys and values are masked from every query, and its outputs are never read."""
-
-
-def packing(tokens: list[list[int]], starts: list[int], length: int) -> Packing:
-    """The `Packing` of a chunk whose row `i` holds `tokens[i]` from place `starts[i]` of `length`."""
-    flat: list[int] = []
-    take: list[int] = []
-    place: list[int] = []
-    for i, (row, start) in enumerate(zip(tokens, starts, strict=True)):
-        first = i * length + start
-        take.extend(range(first, first + len(row)))
-        place.extend(repeat(0, start))
-        place.extend(range(len(flat), len(flat) + len(row)))
-        place.extend(repeat(0, length - start - len(row)))
-        flat.extend(row)
-    return Packing(mx.array(flat), mx.array(take), mx.array(place))
 
 
 def unfusable(model: Any) -> str:
@@ -105,31 +70,22 @@ def _attend(attn: Any, q: mx.array, k: mx.array, v: mx.array, rows: int, length:
 
 
 def forward(model: Any, inputs: mx.array, caches: list[Any], chunk: mx.array,
-            chunk_caches: list[Any], pad_rows: int = 0, packed: Packing | None = None) -> mx.array:
+            chunk_caches: list[Any], pad_rows: int = 0) -> mx.array:
     """The decode rows' logits, `(rows, 1, vocab)`, as `model(inputs, cache=caches)` gives them;
     the chunk's keys and values land in `chunk_caches`, as `model(chunk, cache=chunk_caches)`
-    would leave them (at its real tokens' places, with `packed`). `inputs`: `(rows, 1)` tokens;
-    `chunk`: `(prompts, length)` tokens. `pad_rows`: the projections and MLPs run on a multiple
-    of this many rows (zero rows added, read by nothing), so that their matrix products repeat a
-    few shapes. `packed`: the chunk's real tokens, for the projections and MLPs to run on those
-    alone."""
+    would leave them. `inputs`: `(rows, 1)` tokens; `chunk`: `(prompts, length)` tokens.
+    `pad_rows`: the projections and MLPs run on a multiple of this many rows (zero rows added, read
+    by nothing), so that their matrix products repeat a few shapes."""
     inner = model.model
     rows, (prompts, length) = inputs.shape[0], chunk.shape
-    hd = inner.embed_tokens(inputs)
-    hc = inner.embed_tokens(chunk.reshape(-1) if packed is None else packed.tokens)
-    # Before any layer stores this step's keys, as the model's own pass asks (they read the
-    # length, `shape[1]`, of what they are given).
+    hd, hc = inner.embed_tokens(inputs), inner.embed_tokens(chunk)
+    # Before any layer stores this step's keys, as the model's own pass asks.
     decode_mask = create_attention_mask(hd, caches[0])
-    chunk_mask = create_attention_mask(chunk, chunk_caches[0])
-    flat = rows + hc.shape[0]
+    chunk_mask = create_attention_mask(hc, chunk_caches[0])
+    flat = rows + prompts * length
     extra = (-flat) % pad_rows if pad_rows > 1 else 0
-    parts = [hd.reshape(rows, -1), hc]
+    parts = [hd.reshape(rows, -1), hc.reshape(prompts * length, -1)]
     x = mx.concatenate(parts + [mx.zeros((extra, hd.shape[-1]), hd.dtype)] if extra else parts)
-    place = None if packed is None else packed.place + rows
-
-    def laid_out(t: mx.array) -> mx.array:  # the chunk's rows of `t`, in the chunk's places
-        return t[rows:flat] if place is None else mx.take(t, place, axis=0)
-
     last = len(inner.layers) - 1
     for i, (layer, dc, cc) in enumerate(zip(inner.layers, caches, chunk_caches, strict=True)):
         attn = layer.self_attn
@@ -137,17 +93,15 @@ def forward(model: Any, inputs: mx.array, caches: list[Any], chunk: mx.array,
         k, v = attn.k_proj(h), attn.v_proj(h)
         if i < last:
             q = attn.q_proj(h)
-            chunk_out = _attend(attn, laid_out(q), laid_out(k), laid_out(v), prompts, length, cc,
-                                chunk_mask)
             parts = [
                 _attend(attn, q[:rows], k[:rows], v[:rows], rows, 1, dc, decode_mask),
-                chunk_out if packed is None else mx.take(chunk_out, packed.take, axis=0),
+                _attend(attn, q[rows:flat], k[rows:flat], v[rows:flat], prompts, length, cc, chunk_mask),
             ]
             if extra:
                 parts.append(mx.zeros((extra, parts[0].shape[-1]), parts[0].dtype))
             out = mx.concatenate(parts)
         else:  # nothing reads the chunk's outputs past its last keys and values
-            _store(attn, laid_out(k), laid_out(v), prompts, length, cc)
+            _store(attn, k[rows:flat], v[rows:flat], prompts, length, cc)
             x, h = x[:rows], h[:rows]
             out = _attend(attn, attn.q_proj(h), k[:rows], v[:rows], rows, 1, dc, decode_mask)
         x = x + attn.o_proj(out)

@@ -63,7 +63,7 @@ class PipelinedPrefill(PromptProcessingBatch):
     decoding: bool = False
     fuse: bool = False
     """While `decoding`, leave each chunk to the next decode step's forward pass (`fused.py`)."""
-    _chunk: tuple[mx.array, bool, fused.Packing | None] | None = None
+    _chunk: tuple[mx.array, bool] | None = None
     keep_cache: bool = False
     """Never empty MLX's buffer cache, even with nothing decoding (`install` sets it: `keeps_cache`)."""
     pad_to: int = 0
@@ -81,17 +81,9 @@ class PipelinedPrefill(PromptProcessingBatch):
             return
         batch, padded = self._prepared(tokens)
         if self.decoding and self.fuse and batch.shape[1] <= self.prefill_step_size:
-            self._chunk = (batch, padded, self._packing(tokens, batch.shape[1], padded))
-            return  # the next decode step's pass carries it
+            self._chunk = (batch, padded)  # the next decode step's pass carries it
+            return
         self._run(batch, padded)
-
-    @staticmethod
-    def _packing(tokens: list[list[int]], length: int, padded: bool) -> fused.Packing | None:
-        """The real tokens of a chunk `_prepared` laid out (right-padded when `padded`, else on
-        the left), for the pass that carries it; None when no row is padded."""
-        if not fused.PACK or min(len(t) for t in tokens) == length:
-            return None
-        return fused.packing(tokens, [0 if padded else length - len(t) for t in tokens], length)
 
     def _prepared(self, tokens: list[list[int]]) -> tuple[mx.array, bool]:
         """The chunk as one array (shorter prompts right-padded, the caches told so) and whether
@@ -141,9 +133,9 @@ class PipelinedPrefill(PromptProcessingBatch):
         run = mx.async_eval if self.decoding else mx.eval
         run([c.state for c in self.prompt_cache])
 
-    def take_chunk(self) -> tuple[mx.array, bool, fused.Packing | None] | None:
-        """The chunk left for the next decode step's pass (its tokens, whether right-padded, its
-        real tokens packed), which that pass now owns; None when there is none."""
+    def take_chunk(self) -> tuple[mx.array, bool] | None:
+        """The chunk left for the next decode step's pass (its tokens, whether right-padded),
+        which that pass now owns; None when there is none."""
         chunk, self._chunk = self._chunk, None
         return chunk
 
@@ -152,7 +144,7 @@ class PipelinedPrefill(PromptProcessingBatch):
         reshapes the prompt caches without a decode step having carried it."""
         chunk = self.take_chunk()
         if chunk is not None:
-            self._run(chunk[0], chunk[1])
+            self._run(*chunk)
 
     def split(self, indices: list[int]) -> Any:
         self.flush()
@@ -251,7 +243,7 @@ class JoiningBatch(GenerationBatch):
         partner, model = self.partner, self.model
         chunk = partner.take_chunk() if partner is not None else None
         if partner is not None and chunk is not None:
-            self.model = _Carrying(model, chunk[0], partner.prompt_cache, partner.pad_to, chunk[2])
+            self.model = _Carrying(model, chunk[0], partner.prompt_cache, partner.pad_to)
         self._stepping = True
         try:
             return super()._step()
@@ -341,14 +333,11 @@ class JoiningBatch(GenerationBatch):
 class _Carrying:
     """The model as a decode step calls it, with a prefill chunk in the same pass (`fused.py`)."""
 
-    def __init__(self, model: Any, chunk: mx.array, caches: list[Any], pad_rows: int,
-                 packed: fused.Packing | None) -> None:
+    def __init__(self, model: Any, chunk: mx.array, caches: list[Any], pad_rows: int) -> None:
         self.model, self._chunk, self._caches, self._pad = model, chunk, caches, pad_rows
-        self._packed = packed
 
     def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
-        return fused.forward(self.model, inputs, cache, self._chunk, self._caches, self._pad,
-                             self._packed)
+        return fused.forward(self.model, inputs, cache, self._chunk, self._caches, self._pad)
 
 
 def keeps_cache() -> bool:
