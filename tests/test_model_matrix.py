@@ -151,6 +151,10 @@ async def test_model(entry: MatrixModel, model_cache: Path, anyio_backend: str) 
     assert value(samples, "fused_prefill") == int(fusable)
     assert len(no_fuse) == (0 if fusable else 2)
     assert all("layers" in e["reason"] for e in no_fuse), no_fuse
+    # Our kernel for padded decode rows is CUDA's alone: off here, and nothing to warn about.
+    assert st.padded_attention is False
+    assert value(samples, "padded_attention") == 0
+    assert not [e for e in logs if e["event"] == "padded_attention_unavailable"]
     if entry.prefix_reuse:
         assert not unavailable
         assert st.prefix_hit_tokens - before_prefix.prefix_hit_tokens == 2 * BLOCK

@@ -65,6 +65,10 @@ def log_model_facts(loaded: Loaded) -> None:
     if loaded.fuse_unavailable:
         log.warning("fused_prefill_unavailable", model=info.name, reason=loaded.fuse_unavailable,
                     note="a step that prefills while others decode runs a forward pass of its own")
+    if loaded.padded_attention_unavailable:
+        log.warning("padded_attention_unavailable", model=info.name,
+                    reason=loaded.padded_attention_unavailable,
+                    note="padded decode rows keep MLX's masked attention (unfused on CUDA)")
     if loaded.host_padding_unavailable:
         log.warning("host_padding_unavailable", model=info.name, reason=loaded.host_padding_unavailable,
                     note="rows that leave the batch wait for the device, as in mlx-lm's loop")
@@ -104,6 +108,7 @@ def build_stats(a: Admission, p: Pool, loaded: Loaded | None) -> SchedulerStats:
         mask_free_decode=loaded is None or not loaded.mask_free_unavailable,
         host_padding=loaded is None or not loaded.host_padding_unavailable,
         fused_prefill=loaded is not None and loaded.fused_prefill,
+        padded_attention=loaded is not None and loaded.padded_attention,
         prefill_pad=loaded.prefill_pad if loaded else 0,
         structured_output=loaded is None or not loaded.grammar_unavailable,
         cuda_settings_applied=loaded is None or not loaded.cuda_settings_late,

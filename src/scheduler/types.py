@@ -118,6 +118,10 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     default on the CPU and CUDA backends); false when the chunk runs a pass of its own: off by
     setting or on Metal by default, or the model's blocks are not llama's, qwen2's or qwen3's, or chunks block
     (the log says which)."""
+    padded_attention: bool = False
+    """True on CUDA when the decode rows' attention, with rows left-padded to a common length, runs
+    one kernel of ours rather than MLX's unfused masked path (heads 64 wide; otherwise the log says
+    why). Always false off CUDA, where MLX's own path serves."""
     prefill_pad: int = 0
     """Prefill passes' prompts are right-padded to a multiple of this many tokens (`[worker]
     prefill_pad`; "auto": 64 on CUDA, else 0), so that their shapes repeat."""

@@ -81,6 +81,10 @@ class Loaded(msgspec.Struct, frozen=True):
     """Why prefix blocks cannot work with this model's caches ("" when they can)."""
     mask_free_unavailable: str = ""
     """Why decode steps cannot skip mlx-lm's attention mask ("" when they can)."""
+    padded_attention: bool = False
+    """On CUDA: padded decode rows' attention runs `padded_attention`'s kernel."""
+    padded_attention_unavailable: str = ""
+    """On CUDA, why it does not ("" when it does, or off CUDA)."""
     fuse_unavailable: str = ""
     """Why decode steps cannot carry prefill chunks as `fuse_prefill` asks ("" when they can)."""
     fused_prefill: bool = False
@@ -169,6 +173,8 @@ def mlx_engine_factory(
             prefix_unavailable=engine.support.reason,
             mask_free_unavailable=engine.mask_free_unavailable,
             fuse_unavailable=engine.fuse_unavailable, fused_prefill=engine.fused,
+            padded_attention=engine.padded_attention,
+            padded_attention_unavailable=engine.padded_attention_unavailable,
             prefill_pad=engine.prefill_pad,
             host_padding_unavailable=host_padding_unavailable(),
             precision=loaded_model.precision, blas=blas_state(),

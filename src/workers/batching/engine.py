@@ -33,6 +33,7 @@ from workers.batching.mlxlm import (
     queue_sizes,
 )
 from workers.batching.order import ShortestFirst
+from workers.batching.padded_attention import install as install_padded_attention
 from workers.batching.prefill import PipelinedPrefill, install
 from workers.batching.samplers import Samplers
 from workers.loading.dtypes import on_cuda
@@ -123,6 +124,9 @@ class MLXEngine:
             "their decode steps keep mlx-lm's attention mask"
         )
         """Why no decode step of this model can skip the mask ("" when it can)."""
+        self.padded_attention_unavailable = install_padded_attention(model) if cuda else ""
+        """On CUDA, why padded decode rows keep MLX's masked attention ("" when they do not)."""
+        self.padded_attention = cuda and not self.padded_attention_unavailable
         self._rid_of: dict[int, int] = {}
         self._uid_of: dict[int, int] = {}
         self._samplers = Samplers(vocab_size)

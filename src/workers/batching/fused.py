@@ -18,7 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.base import create_attention_mask
+
+from workers.batching.padded_attention import attention
 
 BLOCKS = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 """mlx-lm's modules whose `TransformerBlock` and `Attention` the fused pass re-states (qwen3's
@@ -65,7 +67,7 @@ def _attend(attn: Any, q: mx.array, k: mx.array, v: mx.array, rows: int, length:
     q = _heads(q, rows, length, attn.n_heads, getattr(attn, "q_norm", None))
     q = attn.rope(q, offset=cache.offset)
     keys, values = _store(attn, k, v, rows, length, cache)
-    out = scaled_dot_product_attention(q, keys, values, cache=cache, scale=attn.scale, mask=mask)
+    out = attention(q, keys, values, cache=cache, scale=attn.scale, mask=mask)
     return out.transpose(0, 2, 1, 3).reshape(rows * length, -1)
 
 

@@ -1,0 +1,98 @@
+"""Which decode steps `workers/batching/padded_attention.py` takes from MLX's masked attention.
+
+The kernel itself runs only on MLX's CUDA backend (`benchmarks/padded_attention.py` checks it
+against MLX's masked attention there); here, on any backend: what it is installed on, which calls
+it would serve, and that every other call gets MLX's own attention unchanged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import BatchKVCache
+
+from workers.batching import padded_attention
+from workers.batching.engine import MLXEngine
+from workers.batching.hostpad import HostPaddedKVCache
+
+SHAPE: dict[str, Any] = dict(model_type="llama", num_hidden_layers=1, intermediate_size=64,
+                             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                             vocab_size=64)
+
+
+def model(head: int) -> Any:
+    return llama.Model(llama.ModelArgs(hidden_size=4 * head, **SHAPE))
+
+
+@pytest.fixture
+def cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on the CUDA backend; whatever `install` patches is put back after the test."""
+    monkeypatch.setattr(padded_attention, "on_cuda", lambda: True)
+    monkeypatch.setattr(padded_attention, "_installed", False)
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
+
+
+def decode(cache_class: type, length: int = 1, dtype: Any = mx.bfloat16) -> tuple[Any, ...]:
+    """A step's queries, keys and values over two rows left-padded by 2 and 0, with the cache and
+    the mask the model's own pass would give the attention."""
+    c = cache_class([2, 0])
+    c.update_and_fetch(mx.ones((2, 2, 5, 64), dtype), mx.ones((2, 2, 5, 64), dtype))
+    mask = c.make_mask(length)
+    keys, values = c.update_and_fetch(mx.ones((2, 2, length, 64), dtype), mx.ones((2, 2, length, 64), dtype))
+    return mx.ones((2, 4, length, 64), dtype), keys, values, c, mask
+
+
+def test_off_cuda_nothing_is_installed() -> None:
+    before = llama.scaled_dot_product_attention
+    assert padded_attention.install(model(64)) == "not on MLX's CUDA backend"
+    assert llama.scaled_dot_product_attention is before is padded_attention.MLX_ATTENTION
+    q, keys, values, c, mask = decode(HostPaddedKVCache)
+    assert not padded_attention.usable(q, keys, c, mask)
+
+
+@pytest.mark.usefixtures("cuda")
+def test_on_cuda_the_model_modules_attention_goes_through_ours() -> None:
+    assert padded_attention.install(model(64)) == ""
+    assert llama.scaled_dot_product_attention is padded_attention.attention
+    assert padded_attention.install(model(64)) == ""  # a second engine: already routed
+
+
+@pytest.mark.usefixtures("cuda")
+def test_heads_it_does_not_serve_are_named() -> None:
+    reason = padded_attention.install(model(128))
+    assert "128 wide" in reason and "[64]" in reason
+    assert llama.scaled_dot_product_attention is padded_attention.MLX_ATTENTION
+
+
+@pytest.mark.usefixtures("cuda")
+def test_only_our_engines_padded_decode_rows_are_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert padded_attention.install(model(64)) == ""
+    q, keys, values, c, mask = decode(HostPaddedKVCache)
+    assert isinstance(mask, mx.array) and padded_attention.usable(q, keys, c, mask)
+    assert not padded_attention.usable(q, keys, c, None)  # no row padded: MLX's own kernel
+    assert not padded_attention.usable(*_pick(decode(BatchKVCache)))  # a bare mlx-lm batch
+    assert not padded_attention.usable(*_pick(decode(HostPaddedKVCache, length=3)))  # a chunk
+    assert not padded_attention.usable(*_pick(decode(HostPaddedKVCache, dtype=mx.float32)))
+    monkeypatch.setattr(padded_attention, "ENABLED", False)
+    assert not padded_attention.usable(q, keys, c, mask)
+
+
+def _pick(case: tuple[Any, ...]) -> tuple[Any, ...]:
+    q, keys, _values, c, mask = case
+    return q, keys, c, mask
+
+
+def test_what_it_does_not_serve_gets_mlxs_attention_unchanged() -> None:
+    q, keys, values, c, mask = decode(BatchKVCache, length=3, dtype=mx.float32)
+    q = mx.random.normal(q.shape)
+    got = padded_attention.attention(q, keys, values, cache=c, scale=0.125, mask=mask)
+    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask=mask)
+    assert mx.array_equal(got, want).item()
+
+
+def test_off_cuda_the_engine_says_nothing_is_missing(tiny_model: Any) -> None:
+    e = MLXEngine(tiny_model, vocab_size=256, max_batch=2, prefill_batch=2, prefill_step=64)
+    assert e.padded_attention is False and e.padded_attention_unavailable == ""
+    e.close()
