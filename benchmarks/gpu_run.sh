@@ -72,6 +72,9 @@
 #               speed drifted between deployments by more than two replicas');
 #               TP_MAX_TOKENS and TP_REPEAT lengthen (b)'s rounds (64 tokens: a round of 2-4 s, too
 #               short to pin the two-replica ratio down within 10%)
+#   padded-attention benchmarks/padded_attention.py: our kernel for padded decode rows' attention
+#               checked against MLX's masked path, and both timed (runs once, whatever $MODELS holds;
+#               $PA_ARGS adds options, e.g. "--shapes 16x8x128 --length 2000")
 #   settings-read benchmarks/settings_read.py: whether a first start's GGUF conversion leaves MLX's CUDA
 #               settings unread (MODELS=smollm2-135m, staged by benchmarks/stage_smollm2.sh)
 #   cold-start  benchmarks/cold_start.py: a fresh process's first rounds (256 requests at once) with an
@@ -225,6 +228,9 @@ for s in "${stages[@]}"; do
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency ${RAY_CONC:-1 64 256} \
           --warmup 1 --repeat ${REPEAT:-1} --waves ${RAY_WAVES:-2} --backends ${RAY_BACKENDS:-scheduler served ray} \
           ${RAY_ARGS:-} --out "$out/ray-path-$m.json" ;;
+      padded-attention)
+        [ -f "$out/padded-attention.json" ] || timeout "$limit" python3 -P benchmarks/padded_attention.py \
+          ${PA_ARGS:-} --out "$out/padded-attention.json" ;;
       settings-read)
         timeout "$limit" python3 -P benchmarks/settings_read.py --model "$(spec "$m")" --out "$out/settings-read-$m.json" ;;
       cold-start)

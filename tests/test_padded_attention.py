@@ -16,6 +16,7 @@ from mlx_lm.models.cache import BatchKVCache
 from workers.batching import padded_attention
 from workers.batching.engine import MLXEngine
 from workers.batching.hostpad import HostPaddedKVCache
+from workers.loading.dtypes import on_cuda
 
 SHAPE: dict[str, Any] = dict(model_type="llama", num_hidden_layers=1, intermediate_size=64,
                              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -28,8 +29,10 @@ def model(head: int) -> Any:
 
 @pytest.fixture
 def cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As on the CUDA backend; whatever `install` patches is put back after the test."""
+    """As on the CUDA backend, where the kernel passes its check; whatever `install` patches is
+    put back after the test."""
     monkeypatch.setattr(padded_attention, "on_cuda", lambda: True)
+    monkeypatch.setattr(padded_attention, "check", lambda: "")
     monkeypatch.setattr(padded_attention, "_installed", False)
     monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
 
@@ -57,6 +60,26 @@ def test_on_cuda_the_model_modules_attention_goes_through_ours() -> None:
     assert padded_attention.install(model(64)) == ""
     assert llama.scaled_dot_product_attention is padded_attention.attention
     assert padded_attention.install(model(64)) == ""  # a second engine: already routed
+
+
+def test_a_kernel_that_cannot_run_is_named_and_nothing_is_routed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Told it is on CUDA, on a backend that is not: the check's own call of the kernel fails.
+    if on_cuda():
+        pytest.skip("on CUDA the kernel runs")
+    monkeypatch.setattr(padded_attention, "on_cuda", lambda: True)
+    monkeypatch.setattr(padded_attention, "_installed", False)
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
+    reason = padded_attention.install(model(64))
+    assert reason.startswith("the kernel did not run here")
+    assert llama.scaled_dot_product_attention is padded_attention.MLX_ATTENTION
+    assert not padded_attention._installed
+
+
+@pytest.mark.usefixtures("cuda")
+def test_without_our_batch_caches_nothing_is_routed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(padded_attention, "host_padding_unavailable", lambda: "filter differs")
+    assert "mlx-lm's own" in padded_attention.install(model(64))
+    assert llama.scaled_dot_product_attention is padded_attention.MLX_ATTENTION
 
 
 @pytest.mark.usefixtures("cuda")

@@ -16,20 +16,22 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models import base
 
 from workers.batching.hostpad import HostPaddedKVCache
+from workers.batching.hostpad import unavailable as host_padding_unavailable
 from workers.loading.dtypes import on_cuda
 
 ENABLED = True
 """False keeps MLX's own masked attention everywhere (a switch for benchmarks)."""
 _installed = False  # `install` ran on the CUDA backend
+MLX_ATTENTION = base.scaled_dot_product_attention
 WARPS = 4
 HEAD_DIMS = (64,)
-"""Head sizes it serves: measured faster than MLX's masked path at 64 (1.55-1.60x on an H200),
+"""Head sizes it serves: measured faster than MLX's masked path at 64 (1.55-1.83x on an H200),
 slower at 128 (0.88x; benchmarks/padded_attention.py)."""
 
 SOURCE = """
@@ -140,7 +142,25 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, s
     return out
 
 
-MLX_ATTENTION = base.scaled_dot_product_attention
+
+def check() -> str:
+    """The kernel against MLX's masked attention on a small case ("" when they agree): it is
+    compiled at run time, so a toolkit or an MLX that cannot build or run it shows here, once, and
+    not in a decode step."""
+    keys = mx.random.split(mx.random.key(0), 3)
+    try:
+        q, k, v = (mx.random.normal(shape, key=keys[i]).astype(mx.bfloat16)
+                   for i, shape in enumerate(((2, 4, 1, 64), (2, 2, 9, 64), (2, 2, 9, 64))))
+        start = mx.array([3, 0], dtype=mx.int32)
+        mask = mx.expand_dims(start, (1, 2, 3)) <= mx.arange(9)
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+        got = padded_decode(q, k, v, start, 0.125)
+        error = cast("float", mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item())
+    except Exception as exc:  # noqa: BLE001 - any failure to build or run it means MLX's path
+        return f"the kernel did not run here ({type(exc).__name__}: {exc})"
+    if not error < 0.02:
+        return f"the kernel's check differed from MLX's attention by {error:.3g}"
+    return ""
 
 
 def install(model: Any) -> str:
@@ -155,6 +175,11 @@ def install(model: Any) -> str:
     width = getattr(args, "head_dim", None) or (getattr(args, "hidden_size", 0) // heads if heads else None)
     if width not in HEAD_DIMS:
         return f"its attention heads are {width} wide; the kernel serves {list(HEAD_DIMS)}"
+    if host_padding_unavailable():
+        return "the batch caches are mlx-lm's own here (see host_padding_unavailable)"
+    failed = check()
+    if failed:
+        return failed
     patched = 0
     for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
         module: Any = sys.modules.get(name)
