@@ -204,13 +204,18 @@ def main() -> None:
     ap.add_argument("--kept-logprobs", action="store_true",
                     help="also run our engine and scheduler keeping every row's log-probabilities every "
                          "step, as mlx-lm does (the code before 2026-11-28), interleaved with the rest")
+    ap.add_argument("--mlx-attention", action="store_true",
+                    help="our side keeps MLX's masked attention for padded decode rows on CUDA, as the "
+                         "bare loop does (our kernel is device work, not host cost)")
     ap.add_argument("--out", default="benchmarks/results/overhead.json")
     args = ap.parse_args()
     configure_logging(level="warning")
 
     import mlx.core as mx
 
-    from workers.batching import prefill
+    from workers.batching import padded_attention, prefill
+
+    padded_attention.ENABLED = not args.mlx_attention
     from workers.loading.models import model_info
 
     model, tokenizer = load_served(args.model)
