@@ -214,9 +214,9 @@ def main() -> None:
     import mlx.core as mx
 
     from workers.batching import padded_attention, prefill
+    from workers.loading.models import model_info
 
     padded_attention.ENABLED = not args.mlx_attention
-    from workers.loading.models import model_info
 
     model, tokenizer = load_served(args.model)
     info = model_info(model, tokenizer, args.model)

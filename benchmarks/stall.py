@@ -51,8 +51,8 @@ FLAGS = ("keepcache", "queued", "blocking", "mlxpad", "gatherfilter", "rollpad",
 """Variant flags: MLX's clear_cache a no-op; prefill chunks queued or blocking; mlx-lm's own
 batch-cache filter (it reads the rows' padding from the device) instead of ours; ours copying the
 rows that stay by gather rather than by runs; every pass right-padded and rolled; an array from
-host values per layer rather than one per call; MLX's masked attention for padded decode rows; Python's cyclic garbage collector off during the
-timed run."""
+host values per layer rather than one per call; MLX's masked attention for padded decode rows;
+Python's cyclic garbage collector off during the timed run."""
 
 
 class GCPauses:

@@ -119,3 +119,9 @@ def test_off_cuda_the_engine_says_nothing_is_missing(tiny_model: Any) -> None:
     e = MLXEngine(tiny_model, vocab_size=256, max_batch=2, prefill_batch=2, prefill_step=64)
     assert e.padded_attention is False and e.padded_attention_unavailable == ""
     e.close()
+
+
+def test_the_padding_mask_is_the_one_mlx_lms_batch_cache_makes() -> None:
+    _q, keys, _values, c, mask = decode(HostPaddedKVCache)
+    mine = padded_attention.padding_mask(c.left_padding, keys.shape[2])
+    assert mine.shape == mask.shape and mx.array_equal(mine, mask).item()
