@@ -56,8 +56,8 @@ def timed(fn: object, layers: int, steps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="+", default=["32x8x64", "14x2x64", "16x8x128"],
-                    help="query heads x key-value heads x head size (1B, 0.5B, a 128-wide head)")
+    ap.add_argument("--shapes", nargs="+", default=["32x8x64", "14x2x64", "9x3x64", "16x8x128"],
+                    help="query heads x key-value heads x head size (1B, 0.5B, SmolLM2, Qwen3-0.6B)")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--length", type=int, default=600)
     ap.add_argument("--max-padding", type=int, default=450)

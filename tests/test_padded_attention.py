@@ -32,7 +32,7 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """As on the CUDA backend, where the kernel passes its check; whatever `install` patches is
     put back after the test."""
     monkeypatch.setattr(padded_attention, "on_cuda", lambda: True)
-    monkeypatch.setattr(padded_attention, "check", lambda: "")
+    monkeypatch.setattr(padded_attention, "check", lambda *layout: "")
     monkeypatch.setattr(padded_attention, "_installed", False)
     monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
 
@@ -83,10 +83,30 @@ def test_without_our_batch_caches_nothing_is_routed(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.usefixtures("cuda")
-def test_heads_it_does_not_serve_are_named() -> None:
-    reason = padded_attention.install(model(128))
-    assert "128 wide" in reason and "[64]" in reason
+def test_heads_64_and_128_wide_are_served_and_others_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert padded_attention.install(model(128)) == ""
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", padded_attention.MLX_ATTENTION)
+    reason = padded_attention.install(model(96))
+    assert "96 wide" in reason and "[64, 128]" in reason
     assert llama.scaled_dot_product_attention is padded_attention.MLX_ATTENTION
+
+
+@pytest.mark.usefixtures("cuda")
+def test_the_check_runs_the_models_own_head_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each layout compiles a kernel of its own: the one checked must be the one decode steps run.
+    checked: list[tuple[int, ...]] = []
+    monkeypatch.setattr(padded_attention, "check", lambda *layout: checked.append(layout) or "")
+    assert padded_attention.install(model(64)) == ""
+    assert checked == [(4, 2, 64)]
+
+
+def test_blocks_take_more_warps_where_they_are_few_and_fewer_where_memory_is_short() -> None:
+    assert padded_attention.warps_for(64, 8, 4, 64) == 4  # 512 blocks: the 1B shape
+    assert padded_attention.warps_for(64, 2, 7, 64) == 8  # 128 blocks: the 0.5B shape
+    assert padded_attention.warps_for(1, 1, 32, 128) == 2  # 32 x 128 partial outputs a warp
+    for rows, kv, group, dim in ((1, 1, 1, 64), (64, 2, 7, 64), (8, 4, 16, 128)):
+        warps = padded_attention.warps_for(rows, kv, group, dim)
+        assert warps * group * dim <= padded_attention.SHARED_FLOATS
 
 
 @pytest.mark.usefixtures("cuda")
