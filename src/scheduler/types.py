@@ -120,7 +120,7 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     (the log says which)."""
     padded_attention: bool = False
     """True on CUDA when the decode rows' attention, with rows left-padded to a common length, runs
-    one kernel of ours rather than MLX's unfused masked path (heads 64 wide; otherwise the log says
+    one kernel of ours rather than MLX's unfused masked path (heads 64 or 128 wide; else the log says
     why). Always false off CUDA, where MLX's own path serves."""
     prefill_pad: int = 0
     """Prefill passes' prompts are right-padded to a multiple of this many tokens (`[worker]
