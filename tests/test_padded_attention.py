@@ -100,6 +100,20 @@ def test_the_check_runs_the_models_own_head_layout(monkeypatch: pytest.MonkeyPat
     assert checked == [(4, 2, 64)]
 
 
+@pytest.mark.usefixtures("cuda")
+def test_more_query_heads_a_key_value_head_than_its_memory_holds_are_named() -> None:
+    args = dict(SHAPE, num_attention_heads=72, num_key_value_heads=1)
+    wide = llama.Model(llama.ModelArgs(hidden_size=64, head_dim=128, **args))
+    assert "72 query heads over 1 key-value heads" in padded_attention.install(wide)
+    assert llama.scaled_dot_product_attention is padded_attention.MLX_ATTENTION
+    q = mx.zeros((1, 72, 1, 128), mx.bfloat16)
+    keys = mx.zeros((1, 1, 4, 128), mx.bfloat16)
+    padded_attention._installed = True  # as after another model's install
+    cache, mask = HostPaddedKVCache([0]), mx.ones((1, 1, 1, 4), mx.bool_)
+    assert not padded_attention.usable(q, keys, cache, mask)
+    assert padded_attention.usable(q[:, :8], keys, cache, mask)  # 8 x 128 fits
+
+
 def test_blocks_take_more_warps_where_they_are_few_and_fewer_where_memory_is_short() -> None:
     assert padded_attention.warps_for(64, 8, 4, 64) == 4  # 512 blocks: the 1B shape
     assert padded_attention.warps_for(64, 2, 7, 64) == 8  # 128 blocks: the 0.5B shape

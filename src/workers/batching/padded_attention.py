@@ -55,8 +55,8 @@ SOURCE = """
     __syncthreads();
     const T* kb = keys + b * keys_strides[0] + hk * keys_strides[1];
     const T* vb = values + b * values_strides[0] + hk * values_strides[1];
-    // Keys of 16-byte rows' pieces are read 16 bytes at a time, values a lane's slice at a time,
-    // where the views allow it (mlx-lm's caches always do); else element by element.
+    // Keys are read 16 bytes at a time and values a lane's slice at a time where the views
+    // allow it (mlx-lm's caches always do); else element by element.
     const bool kvec = keys_strides[3] == 1 && keys_strides[2] % VEC == 0
         && reinterpret_cast<size_t>(kb) % 16 == 0;
     const bool vvec = values_strides[3] == 1 && values_strides[2] % PER == 0
