@@ -46,6 +46,8 @@ from mlx_lm.models.cache import BatchKVCache
 from workers.batching import fused
 from workers.batching.hostpad import host_padded, merged_padding
 from workers.batching.mlxlm import missing_prefill_fields
+from workers.batching.rope import modules as rope_modules
+from workers.batching.rope import positions
 from workers.loading.dtypes import on_cpu, on_cuda
 
 if TYPE_CHECKING:
@@ -69,6 +71,8 @@ class PipelinedPrefill(PromptProcessingBatch):
     pad_to: int = 0
     """Right-pad every chunk's prompts to a multiple of this many tokens (0: to the longest one,
     as mlx-lm does), so that passes repeat a few shapes (`install` sets it)."""
+    ropes: list[Any] = []  # noqa: RUF012 - set per batch by `install`; never mutated
+    """The model's rope modules that rotate a pass's layers with one table (`rope.modules`)."""
 
     def prompt(self, tokens: list[list[int]]) -> None:
         if len(self.uids) != len(tokens):
@@ -116,7 +120,8 @@ class PipelinedPrefill(PromptProcessingBatch):
     def _run(self, batch: mx.array, padded: bool) -> None:
         while batch.shape[1] > 0:
             n = min(self.prefill_step_size, batch.shape[1])
-            self.model(batch[:, :n], cache=self.prompt_cache)
+            with positions(self.ropes, self.prompt_cache):
+                self.model(batch[:, :n], cache=self.prompt_cache)
             self._evaluate()
             batch = batch[:, n:]
         if padded:
@@ -148,7 +153,9 @@ class PipelinedPrefill(PromptProcessingBatch):
 
     def split(self, indices: list[int]) -> Any:
         self.flush()
-        return super().split(indices)
+        part = super().split(indices)
+        part.ropes = self.ropes
+        return part
 
     def filter(self, keep: list[int]) -> None:
         self.flush()
@@ -204,6 +211,8 @@ class JoiningBatch(GenerationBatch):
     partner: PipelinedPrefill | None = None
     """The prompt batch whose left chunk (`PipelinedPrefill.fuse`) each decode step carries."""
     chunks_carried = 0
+    ropes: list[Any] = []  # noqa: RUF012 - set per batch by `install`; never mutated
+    """The model's rope modules that rotate a step's layers with one table (`rope.modules`)."""
     _stepping = False
     _tokens_ahead: Any = None
 
@@ -245,8 +254,10 @@ class JoiningBatch(GenerationBatch):
         if partner is not None and chunk is not None:
             self.model = _Carrying(model, chunk[0], partner.prompt_cache, partner.pad_to)
         self._stepping = True
+        carried = partner.prompt_cache if partner is not None and chunk is not None else []
         try:
-            return super()._step()
+            with positions(self.ropes, self.prompt_cache, carried):
+                return super()._step()
         finally:
             self._stepping = False
             self.model = model
@@ -262,7 +273,8 @@ class JoiningBatch(GenerationBatch):
         if alone and any(self._priming):
             # No decoding rows to share the pass with: feed the last prompt tokens now, as
             # mlx-lm does, so the first tokens come out of the next step.
-            super()._step()
+            with positions(self.ropes, self.prompt_cache):
+                super()._step()
             self._priming = [False] * len(self.uids)
 
     def filter(self, keep: list[int]) -> None:
@@ -276,7 +288,8 @@ class JoiningBatch(GenerationBatch):
         the generator's own bookkeeping around them, made a lone row's step a tenth longer than
         `stream_generate`'s, which has none of them."""
         inputs = self._tokens_ahead
-        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        with positions(self.ropes, self.prompt_cache):
+            logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         current = self._next_logprobs[0]
         self._current_tokens, self._current_logprobs = inputs, [current]
@@ -371,8 +384,10 @@ def install(gen: Any, *, fuse: bool = False, pad_to: int = 0) -> PipelinedPrefil
     batch.keep_cache = keeps_cache()
     batch.fuse = fuse
     batch.pad_to = pad_to
+    batch.ropes = rope_modules(gen.model)
     gen._prompt_batch = batch
     gen._generation_batch = JoiningBatch.empty(gen.model, gen.sampler)
+    gen._generation_batch.ropes = batch.ropes
     if fuse:
         gen._generation_batch.partner = batch
     return batch
