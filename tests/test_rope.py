@@ -141,3 +141,12 @@ def test_our_engine_gives_the_same_tokens_and_log_probabilities_with_the_table(
     assert with_table[0] == without[0] and len(with_table[0]) == 8
     assert with_table[1] == without[1] and with_table[1]
     assert all(with_table[2]) and with_table[2]  # every layer's positions stay the first's
+
+
+def test_off_the_cpu_or_switched_off_no_module_is_served(tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert len(rope.modules(tiny_model)) == len(tiny_model.model.layers)
+    monkeypatch.setattr(rope, "ENABLED", False)
+    assert rope.modules(tiny_model) == []
+    monkeypatch.setattr(rope, "ENABLED", True)
+    monkeypatch.setattr(rope, "on_cpu", lambda: False)  # a GPU backend has a rope kernel
+    assert rope.modules(tiny_model) == []

@@ -6,12 +6,16 @@ then the rotation), and a decode step calls it twice a layer with the same posit
 CPU, a one-stream decode step of `synthetic:small` without any rotation took 0.62 of the time
 (`tiny` 0.59): that is what the fallback cost.
 
-While our engine steps a batch (`positions`), the first call for that batch's positions takes the
-cosines and sines from one fallback call on a probe of ones and zeros (whose rotation is the table
-itself), and every call then rotates with them by the fallback's own operations, about ten nodes:
-the same results, to the bit. Every layer's cache of one batch holds the same positions (each is
-written with the same tokens), so a batch's caches share one table. Anything the table cannot
-serve (traditional rotation, other rope classes, a call outside a step) takes MLX's own path.
+While our engine steps a batch (`positions`), the first call for that batch's positions computes
+the cosines and sines by the fallback's own formula (checked once, at first use, against a
+fallback call on a probe of ones and zeros, whose rotation is the table itself; where they differ,
+or no C `logf` is found, the probe gives the table each step), and every call rotates with them
+in six nodes: the same results, to the bit. Every layer's cache of one batch holds the same
+positions (each is written with the same tokens), so a batch's caches share one table. Anything
+the table cannot serve (traditional rotation, part of each head, other rope classes, a call
+outside a step) takes MLX's own path. With it our engine alone stepped one stream of `small` in
+0.83 of the time (`tiny` 0.89; MLX 0.32.4, which has no CPU rope kernel: one would call for a new
+measurement).
 """
 
 from __future__ import annotations
