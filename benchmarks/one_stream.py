@@ -4,7 +4,9 @@ In one process, one request at a time (prompt 128 tokens, 32 greedy tokens). Eve
 request through each variant, in an order that rotates from round to round, so that a noisy
 neighbour or drift hits every variant alike; the figures are medians over the rounds:
 - `stream_generate` (mlx-lm's one-sequence loop), the bare `BatchGenerator`, and our engine
-  adapter alone (`MLXEngine`, mask-free and masked), stepped on the event loop's thread;
+  adapter alone (`MLXEngine`, mask-free and masked; and mask-free with MLX's own rotary
+  positions in every layer, where the CPU's table of them is off: `workers/batching/rope.py`),
+  stepped on the event loop's thread;
 - our `Scheduler` (one warmed instance), prompts as token ids and as text, after one request
   that is not counted (see `side_by_side`);
 then the scheduler again with a trace of each hop (submit, pool, worker insert/step, the loop
@@ -56,6 +58,7 @@ def main() -> None:
     from scheduler import SamplingParams, Scheduler
     from scheduler.cli.bench import datasets
     from scheduler.config import SchedulerConfig
+    from workers.batching import rope
     from workers.messages import Admit, SamplingSpec
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,9 +93,13 @@ def main() -> None:
         gen.close()
         return ts
 
-    def engine(p: list[int], mask_free: bool) -> list[float]:
-        e = engine_mod.MLXEngine(model, vocab_size=vocab, max_batch=1, prefill_batch=8, prefill_step=512,
-                                 mask_free=mask_free)
+    def engine(p: list[int], mask_free: bool, table: bool = True) -> list[float]:
+        rope.ENABLED = table  # read as the engine is built
+        try:
+            e = engine_mod.MLXEngine(model, vocab_size=vocab, max_batch=1, prefill_batch=8,
+                                     prefill_step=512, mask_free=mask_free)
+        finally:
+            rope.ENABLED = True
         t0, ts = time.perf_counter(), []
         e.insert([Admit(1, p, MAX_TOKENS, greedy, ())])
         while len(ts) < MAX_TOKENS:
@@ -112,8 +119,9 @@ def main() -> None:
 
     mask_free: Callable[[list[int]], list[float]] = functools.partial(engine, mask_free=True)
     masked: Callable[[list[int]], list[float]] = functools.partial(engine, mask_free=False)
+    mlx_rope: Callable[[list[int]], list[float]] = functools.partial(engine, mask_free=True, table=False)
     loops = [("stream_generate", sg), ("bare BatchGenerator", bare), ("engine, mask-free", mask_free),
-             ("engine, masked", masked)]
+             ("engine, masked", masked), ("engine, MLX's rope", mlx_rope)]
     marks: list[tuple[str, float]] = []
 
     async def scheduled(s: Scheduler, p: Any, trace: bool = False) -> list[float]:
