@@ -158,25 +158,27 @@ def charge(events: list[dict[str, Any]], steps: list[dict[str, Any]], wall: floa
         idx = [i for i, s in enumerate(steps) if pick(s)]
         if not idx:
             continue
-        names: dict[str, float] = defaultdict(float)
-        counts: dict[str, float] = defaultdict(float)
-        for i in idx:
-            for n, ms in per_step_names[i].items():
-                names[n] += ms / len(idx)
-        for i in idx:
-            for n, k in per_step_launches[i].items():
-                counts[n] += k / len(idx)
         out["classes"][cls] = {
             "steps": len(idx),
             "wall_ms": statistics.median(steps[i]["wall_ms"] for i in idx),
             "busy_ms": statistics.median(per_step_busy[i] for i in idx),
             "kernels": statistics.median(per_step_kernels[i] for i in idx),
             "prefill_tokens": statistics.mean(steps[i]["prefill_tokens"] for i in idx),
-            "top": sorted(([n, ms] for n, ms in names.items()), key=lambda x: -x[1])[:top],
-            "most_launched": sorted(([n, k] for n, k in counts.items()), key=lambda x: -x[1])[:top],
+            "top": means(per_step_names, idx, top),
+            "most_launched": means(per_step_launches, idx, top),
         }
     out["around"] = around(steps, per_step_busy, per_step_kernels, per_step_names, top)
     return out
+
+
+def means(per_step: dict[int, dict[str, Any]], idx: list[int], top: int) -> list[list[Any]]:
+    """The `top` names by their mean over the steps `idx` of a per-step figure (device ms,
+    launches), largest first."""
+    total: dict[str, float] = defaultdict(float)
+    for i in idx:
+        for n, x in per_step[i].items():
+            total[n] += x / len(idx)
+    return sorted(([n, x] for n, x in total.items()), key=lambda p: -p[1])[:top]
 
 
 def around(steps: list[dict[str, Any]], busy: dict[int, float], kernels: dict[int, int],
@@ -190,16 +192,12 @@ def around(steps: list[dict[str, Any]], busy: dict[int, float], kernels: dict[in
     for k in range(after + 1):
         if not starts:
             break
-        spent: dict[str, float] = defaultdict(float)
-        for i in starts:
-            for n, ms in names[i + k].items():
-                spent[n] += ms / len(starts)
         rows.append({"offset": k,
                      "wall_ms": statistics.median(steps[i + k]["wall_ms"] for i in starts),
                      "busy_ms": statistics.median(busy[i + k] for i in starts),
                      "kernels": statistics.median(kernels[i + k] for i in starts),
                      "prefill_tokens": statistics.median(steps[i + k]["prefill_tokens"] for i in starts),
-                     "top": sorted(([n, ms] for n, ms in spent.items()), key=lambda x: -x[1])[:top]})
+                     "top": means(names, [i + k for i in starts], top)})
     return rows
 
 

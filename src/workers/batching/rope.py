@@ -169,7 +169,7 @@ def rotate(module: Any, x: mx.array, offset: Any) -> mx.array | None:
     batch = step.batch_of.get(id(offset))
     served = _served(module) if batch is not None else None
     if served is None or served[0] != x.shape[-1]:
-        return None  # a rotation of part of each head keeps MLX's path
+        return None  # a module it does not serve, or one that rotates part of each head
     dims, base, scale, freqs = served
     key = (batch, x.shape, x.dtype, dims, base, scale, None if freqs is None else id(freqs))
     table = step.tables.get(key)
@@ -182,16 +182,20 @@ def rotate(module: Any, x: mx.array, offset: Any) -> mx.array | None:
     return x * both + mx.concatenate([x[..., half:], x[..., :half]], axis=-1) * signed
 
 
-class _TabledRoPE(_RoPE):  # type: ignore[misc]
+class _Tabled:
+    """A rope module's calls through the step's table where it serves them, else its own."""
+
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         out = rotate(self, x, offset)
-        return out if out is not None else super().__call__(x, offset)
+        return out if out is not None else super().__call__(x, offset)  # type: ignore[misc]
 
 
-class _TabledLlama3RoPE(Llama3RoPE):
-    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
-        out = rotate(self, x, offset)
-        return out if out is not None else super().__call__(x, offset)
+class _TabledRoPE(_Tabled, _RoPE):  # type: ignore[misc]
+    pass
+
+
+class _TabledLlama3RoPE(_Tabled, Llama3RoPE):
+    pass
 
 
 _TABLED: dict[type, type] = {_RoPE: _TabledRoPE, Llama3RoPE: _TabledLlama3RoPE}
