@@ -9,6 +9,9 @@
 #               needs "--block-tokens 16": the default 256 keeps no block of a 128-token prompt;
 #               "--worker prefill_pad=0 --worker fuse_prefill=false": our side with the GPU's
 #               prefill defaults before 2026-11-27, to compare with today's)
+#   overhead-4bit  the same for a 4-bit copy of each model (`mlx_lm.convert -q`, made once under
+#               /tmp), kept quantized (`--dequantize no`: on CUDA "auto" dequantizes small models),
+#               at $CONCURRENCY (64): the fold of quantized layers against mlx-lm's loop (not default)
 #   peers-low   benchmarks/peers.py, all four backends at 1 8 32
 #   peers-high  benchmarks/peers.py at 64 128 256, without sequential stream_generate (it would
 #               take minutes per level: one request at a time)
@@ -139,6 +142,14 @@ for s in "${stages[@]}"; do
         timeout "$limit" python3 -P benchmarks/overhead.py --model "$(spec "$m")" --concurrency ${CONCURRENCY:-1 8 32 64 128 256} \
           --prompt-tokens 128 --max-tokens 64 --waves ${WAVES:-2} --min-requests ${MIN_REQUESTS:-64} --warmup 1 ${OVERHEAD_ARGS:-} \
           --out "$out/overhead-$m.json" ;;
+      overhead-4bit)
+        q="/tmp/q4-$m"
+        [ -f "$q/config.json" ] || timeout "$limit" python3 -P -c "import sys; from mlx_lm import convert; \
+from workers.loading.models import resolve_model; convert(str(resolve_model(sys.argv[1])), mlx_path=sys.argv[2], quantize=True, q_bits=4)" \
+          "$(spec "$m")" "$q"
+        timeout "$limit" python3 -P benchmarks/overhead.py --model "$q" --dequantize no --concurrency ${CONCURRENCY:-64} \
+          --prompt-tokens 128 --max-tokens 64 --waves ${WAVES:-2} --min-requests ${MIN_REQUESTS:-64} --warmup 1 ${OVERHEAD_ARGS:-} \
+          --out "$out/overhead-4bit-$m.json" ;;
       peers-low)
         timeout "$limit" python3 -P benchmarks/peers.py --model "synthetic:$m" --concurrency 1 8 32 --warmup 1 \
           --backends bare scheduler mlx_lm.server sequential --out "$out/peers-low-$m.json" ;;

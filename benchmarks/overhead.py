@@ -71,7 +71,24 @@ def bare_loop(model: object, prompts: list[list[int]], concurrency: int, max_tok
 def engine_loop(model: object, vocab: int, prompts: list[list[int]], concurrency: int, max_tokens: int,
                 prefill_batch: int, prefill_step: int, budget: int | str,
                 fuse_prefill: bool | str = "auto", prefill_pad: int | str = "auto") -> tuple[int, float]:
-    """A tight loop over our engine keeping `concurrency` sequences in flight (no actors)."""
+    """A tight loop over our engine keeping `concurrency` sequences in flight (no actors). On
+    CUDA its quantized layers fold a decode batch into one product, as the worker's do (`[worker]
+    fold_quantized`), for this loop only: the bare loop on the same model stays mlx-lm's."""
+    from workers.batching.quantfold import fold_decode_batch, unfold_decode_batch
+    from workers.loading.dtypes import on_cuda
+
+    if on_cuda():
+        fold_decode_batch(model)
+    try:
+        return _engine_loop(model, vocab, prompts, concurrency, max_tokens, prefill_batch, prefill_step,
+                            budget, fuse_prefill, prefill_pad)
+    finally:
+        unfold_decode_batch(model)
+
+
+def _engine_loop(model: object, vocab: int, prompts: list[list[int]], concurrency: int, max_tokens: int,
+                 prefill_batch: int, prefill_step: int, budget: int | str,
+                 fuse_prefill: bool | str, prefill_pad: int | str) -> tuple[int, float]:
     from workers.batching.engine import MLXEngine
     from workers.messages import Admit, SamplingSpec
 
@@ -152,17 +169,18 @@ async def scheduler_run(config: SchedulerConfig, prompts: list[list[int]], concu
     return tokens, elapsed, lags
 
 
-def load_served(spec: str) -> tuple[Any, Any]:
-    """`load_model` after the CUDA settings the scheduler's worker applies for this model
+def load_served(spec: str, dequantize: Any = "auto") -> tuple[Any, Any]:
+    """`load` after the CUDA settings the scheduler's worker applies for this model
     (`workers.cuda`: CUDA graphs off unless it stays quantized). MLX reads them once, at its first
     GPU use, so a model loaded here before any Scheduler starts would run every side, the
     scheduler's too, with MLX's own (graphs on)."""
     from workers.cuda import apply_cuda_defaults
-    from workers.loading.models import load_model, resolve_model
+    from workers.loading.models import load, resolve_model
 
     directory = resolve_model(spec)
-    apply_cuda_defaults("auto", directory)
-    return load_model(str(directory))
+    apply_cuda_defaults("auto", directory, dequantize=dequantize)
+    loaded = load(str(directory), dequantize=dequantize)
+    return loaded.model, loaded.tokenizer
 
 
 def throughput(run: tuple[int, float]) -> float:
@@ -207,6 +225,9 @@ def main() -> None:
     ap.add_argument("--mlx-attention", action="store_true",
                     help="our side keeps MLX's masked attention for padded decode rows on CUDA, as the "
                          "bare loop does (our kernel is device work, not host cost)")
+    ap.add_argument("--dequantize", choices=["auto", "yes", "no"], default="auto",
+                    help='[model] dequantize for every side: "no" keeps a quantized model quantized '
+                         '(on CUDA "auto" dequantizes small ones), to measure the 4-bit path')
     ap.add_argument("--out", default="benchmarks/results/overhead.json")
     args = ap.parse_args()
     configure_logging(level="warning")
@@ -218,7 +239,7 @@ def main() -> None:
 
     padded_attention.ENABLED = not args.mlx_attention
 
-    model, tokenizer = load_served(args.model)
+    model, tokenizer = load_served(args.model, args.dequantize)
     info = model_info(model, tokenizer, args.model)
     budget = args.budget if args.budget.isdigit() else f'"{args.budget}"'
     rows = []
@@ -226,7 +247,7 @@ def main() -> None:
         prompts = make_prompts(max(n * args.waves, args.min_requests, 8), args.prompt_tokens, info.vocab_size,
                                args.seed + n)
         config = SchedulerConfig.from_toml(
-            f'[model]\npath = "{args.model}"\n[worker]\nmax_batch = {n}\n'
+            f'[model]\npath = "{args.model}"\ndequantize = "{args.dequantize}"\n[worker]\nmax_batch = {n}\n'
             f"step_token_budget = {budget}\n" + "".join(f"{kv}\n" for kv in args.worker) +
             f'[kvpool]\nmemory = "8GiB"\nblock_tokens = {args.block_tokens}\n'
             f'prefix_cache = {str(args.prefix_cache == "on").lower()}\n'
@@ -320,7 +341,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "model": args.model, "step_token_budget": args.budget, "stream": args.stream, "prefix_cache": args.prefix_cache, "block_tokens": args.block_tokens, "worker": args.worker, "repeat": args.repeat, "warmup": args.warmup, "waves": args.waves, "min_requests": args.min_requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "model": args.model, "step_token_budget": args.budget, "stream": args.stream, "prefix_cache": args.prefix_cache, "block_tokens": args.block_tokens, "worker": args.worker, "dequantize": args.dequantize, "repeat": args.repeat, "warmup": args.warmup, "waves": args.waves, "min_requests": args.min_requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
         "kept_logprobs": args.kept_logprobs, "device": str(mx.default_device()), "mlx": mx.__version__, "python": sys.version.split()[0],
         "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
     }

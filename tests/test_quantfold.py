@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
-from workers.batching.quantfold import fold_decode_batch
+from workers.batching.quantfold import fold_decode_batch, unfold_decode_batch
 from workers.cuda import WARM_ROWS, WARM_TOKENS, warm_kernels
 from workers.loading.dtypes import quantized_layers
 from workers.loading.models import load_model, resolve_model
@@ -43,6 +43,10 @@ def test_a_folded_quantized_model_decodes_the_same_tokens(model_cache: Path) -> 
     folded = linear(x)
     linear.__class__ = type(linear).__mro__[1]  # back to the plain QuantizedLinear
     assert mx.array_equal(folded, linear(x)).item()
+    # The rest go back to MLX's class too (what a benchmark does before mlx-lm's own loop).
+    assert unfold_decode_batch(model) == layers - 1
+    assert sum(1 for _, m in model.named_modules() if type(m).__name__ == "QuantizedLinear") == layers
+    assert unfold_decode_batch(model) == 0
 
 
 class _Recording:

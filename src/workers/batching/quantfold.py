@@ -36,3 +36,14 @@ def fold_decode_batch(model: Any) -> int:
             module.__class__ = _FoldedQuantizedLinear
             n += 1
     return n
+
+
+def unfold_decode_batch(model: Any) -> int:
+    """Undo `fold_decode_batch`: each folded layer back to MLX's own class; returns how many.
+    For comparisons that run mlx-lm's own loop on the same model after ours."""
+    n = 0
+    for _, module in model.named_modules():
+        if type(module) is _FoldedQuantizedLinear:
+            module.__class__ = _QuantizedLinear
+            n += 1
+    return n
