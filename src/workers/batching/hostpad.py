@@ -30,6 +30,15 @@ MLX's buffer cache is full (a long run of new shapes fills it) each one freed is
 which waits for the whole device: on an H200 with an 8 GiB cache, a step that prefilled 512
 tokens made 14 of them (`benchmarks/kernel_trace.py --api-sites`). `host_ints` makes the array
 once for all the layers of a call, and gives each layer an array of its own over its buffer.
+
+**Positions, once a batch.** Every layer of a batch holds the same positions: the same offsets,
+the same padding. mlx-lm still moves them layer by layer (an addition a layer a step; on a join,
+a filter or a chunk's end, concatenations, gathers and subtractions a layer), and rolls each
+layer's keys and values by an index it builds for each. On a GPU each is a kernel launch, and the
+host's launches are what a step that prefills costs there: about 245 of its 1,126 kernels were
+such small integer operations (`benchmarks/kernel_trace.py`, the 1B shape at 512 tokens a step).
+`share` gives every other layer the first one's arrays after each of those calls, so that only
+one layer's are ever computed, and `finalize` rolls every layer by one index a call.
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ COPY_RUNS = True
 """Benchmarks turn it off to measure the gather of mlx-lm's filter side by side."""
 SHARE_HOST_ARRAYS = True
 """Benchmarks turn it off to measure an array made from host values per layer (mlx-lm's way)."""
+SHARE_POSITIONS = True
+"""Benchmarks turn it off to measure each layer's positions moved on their own (mlx-lm's way)."""
 MAX_RUNS = 4
 """More runs than this are gathered: each run costs a copy of every layer's keys and values to
 launch. On an H100 eight runs (eight rows leaving, spread) cost the 0.5B shape 1.1-1.2x the gather
@@ -55,6 +66,8 @@ _problem: str | None = None
 _HELD = 8
 """Host arrays kept for reuse: a call over every layer uses two or three (rows kept, padding)."""
 _held: OrderedDict[tuple[int, ...], mx.array] = OrderedDict()
+_rolls: OrderedDict[tuple[int, ...], mx.array] = OrderedDict()
+"""Roll indices kept for reuse, by length and each row's shift: one a call over every layer."""
 
 
 def host_ints(values: Sequence[int]) -> mx.array:
@@ -78,6 +91,44 @@ def forget_host_ints() -> None:
     """Drop the arrays `host_ints` keeps, on the thread that made them, as its engine closes
     (MLX work outliving a joined thread can abort the interpreter at exit: see MLX-NOTES)."""
     _held.clear()
+    _rolls.clear()
+
+
+def roll_index(length: int, shifts: Sequence[int]) -> mx.array:
+    """mlx-lm's `dynamic_roll` index for keys or values of `length` positions, each row rolled
+    right by its shift: made once for every layer of a call that asks for the same."""
+    key = (length, *shifts)
+    idx = _rolls.get(key)
+    if idx is None:
+        idx = _rolls[key] = (mx.arange(length)[None, None, :, None]
+                             - host_ints(shifts)[:, None, None, None]) % length
+        while len(_rolls) > 2:
+            _rolls.popitem(last=False)
+    else:
+        _rolls.move_to_end(key)
+    return idx
+
+
+def share(caches: Sequence[Any]) -> None:
+    """Every layer of a batch (`caches`, one a layer) takes the first layer's offsets, and its
+    padding where the host knows it to be the same, as arrays of their own over the first one's
+    buffers (mlx-lm adds to some in place). Each other layer's own, built but now read by
+    nothing, is never computed. Batches whose layers hold unlike lengths, or that are not all
+    batch KV caches, are left as they are."""
+    if not SHARE_POSITIONS or len(caches) < 2:
+        return
+    first = caches[0]
+    if not all(isinstance(c, BatchKVCache) for c in caches) or any(c._idx != first._idx for c in caches):
+        return
+    padding = first.known_padding() if isinstance(first, HostPaddedKVCache) else None
+    if padding is not None and not all(
+            isinstance(c, HostPaddedKVCache) and c.known_padding() == padding for c in caches[1:]):
+        padding = None
+    for c in caches[1:]:
+        c.offset = mx.stop_gradient(first.offset)
+        if padding is not None:
+            c.left_padding = mx.stop_gradient(first.left_padding)
+            c._host = (c.left_padding, list(padding))
 
 
 class HostPaddedKVCache(BatchKVCache):
@@ -121,10 +172,16 @@ class HostPaddedKVCache(BatchKVCache):
 
     def finalize(self) -> None:
         host, right = self.padding(), self._right
-        super().finalize()  # type: ignore[no-untyped-call]
-        if right is not None:  # the right padding became left padding
-            self._host = (self.left_padding, [h + r for h, r in zip(host, right, strict=True)])
-            self._right = None
+        if right is None or self._right_padding is None or self.keys is None:
+            super().finalize()  # type: ignore[no-untyped-call]
+            return
+        # mlx-lm's finalize, with the roll's index made once a call and the padding from the host.
+        idx = roll_index(self.keys.shape[2], right)
+        self.keys = mx.take_along_axis(self.keys, idx, axis=2)
+        self.values = mx.take_along_axis(self.values, idx, axis=2)
+        self.offset = self.offset - self._right_padding
+        self._right_padding, self._right = None, None
+        self._set_padding([h + r for h, r in zip(host, right, strict=True)])  # now left padding
 
     def extend(self, other: Any) -> None:
         mine = self.padding()
@@ -135,9 +192,8 @@ class HostPaddedKVCache(BatchKVCache):
             top = max(self._idx, other._idx)
             shift_mine, shift_theirs = top - self._idx, top - other._idx
         super().extend(other)  # type: ignore[no-untyped-call]
-        if theirs is not None:
-            joined = [p + shift_mine for p in mine] + [p + shift_theirs for p in theirs]
-            self._host = (self.left_padding, joined)
+        if theirs is not None:  # one array for every layer, not their padding concatenated
+            self._set_padding([p + shift_mine for p in mine] + [p + shift_theirs for p in theirs])
 
     def _set_padding(self, values: list[int]) -> None:
         self.left_padding = host_ints(values)

@@ -44,7 +44,7 @@ from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
 
 from workers.batching import fused
-from workers.batching.hostpad import host_padded, merged_padding
+from workers.batching.hostpad import host_padded, merged_padding, share
 from workers.batching.mlxlm import missing_prefill_fields
 from workers.batching.rope import modules as rope_modules
 from workers.batching.rope import positions
@@ -131,6 +131,7 @@ class PipelinedPrefill(PromptProcessingBatch):
         """After a right-padded chunk: its padding becomes left padding, as mlx-lm's `prompt` does."""
         for c in self.prompt_cache:
             c.finalize()
+        share(self.prompt_cache)
         self._evaluate()
 
     def _evaluate(self) -> None:
@@ -160,6 +161,7 @@ class PipelinedPrefill(PromptProcessingBatch):
     def filter(self, keep: list[int]) -> None:
         self.flush()
         super().filter(keep)
+        share(self.prompt_cache)
 
     def extract_cache(self, idx: int) -> list[Any]:
         self.flush()
@@ -171,6 +173,7 @@ class PipelinedPrefill(PromptProcessingBatch):
         # of the tokens they hold (mlx-lm keeps `tokens` as what each row's cache holds).
         host_padded(batch.prompt_cache, merged_padding([len(t) for t in batch.tokens]))
         super().extend(batch)  # type: ignore[no-untyped-call]
+        share(self.prompt_cache)
 
     def generate(self, tokens: list[list[int]]) -> JoiningBatch:
         """As mlx-lm's, but the rows leave as a `JoiningBatch`, not yet stepped."""
@@ -269,6 +272,7 @@ class JoiningBatch(GenerationBatch):
     def extend(self, batch: Any) -> None:
         alone = not self.uids
         super().extend(batch)  # type: ignore[no-untyped-call]
+        share(self.prompt_cache)
         self._priming.extend(getattr(batch, "_priming", [False] * len(batch.uids)))
         if alone and any(self._priming):
             # No decoding rows to share the pass with: feed the last prompt tokens now, as
@@ -279,6 +283,7 @@ class JoiningBatch(GenerationBatch):
 
     def filter(self, keep: list[int]) -> None:
         super().filter(keep)
+        share(self.prompt_cache)
         self._priming = [self._priming[i] for i in keep]
 
     def next_alone(self) -> list[Any]:

@@ -33,6 +33,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
+from workers.batching.hostpad import share
 from workers.loading.dtypes import on_cpu
 
 if TYPE_CHECKING:
@@ -65,14 +66,11 @@ class _Step:
 
     def share(self) -> None:
         """After the step: every layer of a batch takes the first layer's new offsets (equal
-        values). Only the arrays the step's rotation read are evaluated, so each other layer's
-        own would otherwise grow a graph of additions, one a step, that nothing evaluates. Each
-        gets an array of its own over the first one's, which an addition in place to one layer's
-        would not change for the others."""
+        values; `hostpad.share`). Only the arrays the step's rotation read are evaluated, so each
+        other layer's own would otherwise grow a graph of additions, one a step, that nothing
+        evaluates."""
         for caches in self.batches:
-            first = caches[0].offset
-            for c in caches[1:]:
-                c.offset = mx.stop_gradient(first)
+            share(caches)
 
 
 def _served(module: Any) -> tuple[int, float | None, float, mx.array | None] | None:
@@ -215,9 +213,13 @@ def modules(model: Any) -> list[Any]:
 def positions(ropes: Sequence[Any], *batches: Sequence[Any]) -> Iterator[None]:
     """Within it, on this thread, the `ropes` (from `modules`) rotate every layer of each batch
     (a list of caches, one a layer) with one table of that batch's positions. The modules get
-    their own classes back after, so that anything else using the model meets mlx-lm's own."""
-    if not ropes:
+    their own classes back after, so that anything else using the model meets mlx-lm's own.
+    Without `ropes` (off the CPU) each layer rotates by its own offsets, and after the block every
+    layer of a batch takes the first one's (`hostpad.share`)."""
+    if not ropes:  # MLX rotates each layer by its own offsets: only the first layer's are moved
         yield
+        for caches in batches:
+            share(caches)
         return
     outer: _Step | None = getattr(_local, "step", None)
     classes = [_OWN.get(type(m), type(m)) for m in ropes]
