@@ -30,20 +30,19 @@ class _FoldedQuantizedLinear(_QuantizedLinear):  # type: ignore[misc]
 def fold_decode_batch(model: Any) -> int:
     """Make each of `model`'s quantized linear layers fold a decode batch into one product;
     returns how many it changed. Same results: each output row is the same dot products."""
-    n = 0
-    for _, module in model.named_modules():
-        if type(module) is _QuantizedLinear:
-            module.__class__ = _FoldedQuantizedLinear
-            n += 1
-    return n
+    return _reclass(model, _QuantizedLinear, _FoldedQuantizedLinear)
 
 
 def unfold_decode_batch(model: Any) -> int:
     """Undo `fold_decode_batch`: each folded layer back to MLX's own class; returns how many.
     For comparisons that run mlx-lm's own loop on the same model after ours."""
+    return _reclass(model, _FoldedQuantizedLinear, _QuantizedLinear)
+
+
+def _reclass(model: Any, old: type, new: type) -> int:
     n = 0
     for _, module in model.named_modules():
-        if type(module) is _FoldedQuantizedLinear:
-            module.__class__ = _QuantizedLinear
+        if type(module) is old:
+            module.__class__ = new
             n += 1
     return n
