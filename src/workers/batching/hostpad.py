@@ -109,13 +109,14 @@ def roll_index(length: int, shifts: Sequence[int]) -> mx.array:
     return idx
 
 
-def share(caches: Sequence[Any]) -> None:
+def share(caches: Sequence[Any], *, always: bool = False) -> None:
     """Every layer of a batch (`caches`, one a layer) takes the first layer's offsets, and its
     padding where the host knows it to be the same, as arrays of their own over the first one's
     buffers (mlx-lm adds to some in place). Each other layer's own, built but now read by
     nothing, is never computed. Batches whose layers hold unlike lengths, or that are not all
-    batch KV caches, are left as they are."""
-    if not SHARE_POSITIONS or len(caches) < 2:
+    batch KV caches, are left as they are. `always`: even with `SHARE_POSITIONS` off, for
+    callers whose other layers' offsets nothing would read (they would grow unevaluated)."""
+    if not (SHARE_POSITIONS or always) or len(caches) < 2:
         return
     first = caches[0]
     if not all(isinstance(c, BatchKVCache) for c in caches) or any(c._idx != first._idx for c in caches):

@@ -68,9 +68,9 @@ class _Step:
         """After the step: every layer of a batch takes the first layer's new offsets (equal
         values; `hostpad.share`). Only the arrays the step's rotation read are evaluated, so each
         other layer's own would otherwise grow a graph of additions, one a step, that nothing
-        evaluates."""
+        evaluates: shared whatever `hostpad.SHARE_POSITIONS` says."""
         for caches in self.batches:
-            share(caches)
+            share(caches, always=True)
 
 
 def _served(module: Any) -> tuple[int, float | None, float, mx.array | None] | None:
