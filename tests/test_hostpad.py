@@ -84,6 +84,19 @@ def test_extract_joins_and_filters_in_a_row_match_mlx_lm() -> None:
         same(theirs, ours)
 
 
+@pytest.mark.parametrize(("steps", "joining"), [(300, 10), (10, 300), (5, 7), (256, 256)])
+def test_a_join_copies_each_side_once_into_what_mlx_lms_extend_makes(steps: int, joining: int) -> None:
+    """Unlike lengths and capacities (256 positions a step of growth): the longer buffer's
+    spare capacity is cut where the other side's rows move right, as mlx-lm's extend cuts it."""
+    theirs, ours = twin([1, 0], steps=steps, seed=3)
+    a, b = twin([0, 2, 1], steps=joining, seed=4)
+    theirs.extend(a)
+    ours.extend(b)
+    same(theirs, ours)
+    assert mx.array_equal(theirs.keys, ours.keys).item() and mx.array_equal(theirs.values, ours.values).item()
+    assert ours.padding() == theirs.left_padding.tolist()
+
+
 def test_after_a_filter_the_padding_is_known_without_reading_the_device() -> None:
     _, ours = twin([1, 0, 3], steps=4, seed=3)
     ours.filter([0, 2])

@@ -192,7 +192,13 @@ class HostPaddedKVCache(BatchKVCache):
         else:  # as BatchKVCache.extend: both right-justified to the longer one
             top = max(self._idx, other._idx)
             shift_mine, shift_theirs = top - self._idx, top - other._idx
-        super().extend(other)  # type: ignore[no-untyped-call]
+        if theirs is not None and self.keys is not None and other.keys is not None:
+            self.keys, self.values = (joined(self.keys, other.keys, shift_mine, shift_theirs),
+                                      joined(self.values, other.values, shift_mine, shift_theirs))
+            self.offset = mx.concatenate([self.offset, other.offset])
+            self._idx = top
+        else:
+            super().extend(other)  # type: ignore[no-untyped-call]
         if theirs is not None:  # one array for every layer, not their padding concatenated
             self._set_padding([p + shift_mine for p in mine] + [p + shift_theirs for p in theirs])
 
@@ -224,6 +230,18 @@ class HostPaddedKVCache(BatchKVCache):
         cache.values = mx.contiguous(values[idx : idx + 1, :, start : self._idx])
         cache.offset = cache.keys.shape[2]
         return cache
+
+
+def joined(a: mx.array, b: mx.array, shift_a: int, shift_b: int) -> mx.array:
+    """`BatchKVCache.extend`'s keys or values: `a`'s rows then `b`'s, each moved right by its
+    shift, in the longer of the two lengths, zeros elsewhere. mlx-lm pads each side into an
+    array of its own and concatenates those; here each is copied once, into one zeroed array."""
+    size = max(a.shape[2], b.shape[2])
+    out = mx.zeros((a.shape[0] + b.shape[0], a.shape[1], size, a.shape[3]), a.dtype)
+    for start, part, shift in ((0, a, shift_a), (a.shape[0], b, shift_b)):
+        n = min(part.shape[2], size - shift)  # what lies past the longer length is capacity
+        out[start : start + part.shape[0], :, shift : shift + n, :] = part[..., :n, :]
+    return out
 
 
 def runs(rows: list[int]) -> list[tuple[int, int]]:
