@@ -28,7 +28,8 @@ has it); writes the table and JSON (`--out`), and with `--trace DIR` each varian
     python benchmarks/kernel_trace.py --variants 512 512:perlayer --api-sites --cache-gb 8
     python benchmarks/kernel_trace.py --model synthetic:llama-3.2-1b --variants 512 512:apart --launches
 
-(Variants as `prefill_phases.py` takes them: `:apart` moves each layer's positions on its own.)
+(Variants as `prefill_phases.py` takes them: `:apart` moves each layer's positions on its own,
+`:padjoin` joins rows as mlx-lm does.)
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ a warm-up. Each variant (a budget; `:mlx` for mlx-lm's own prefill and joining i
 `:blocking` for ours with mlx-lm's blocking chunks, `[worker] prefill_chunks = "blocking"`;
 `:nofuse` for a chunk in a forward pass of its own, `[worker] fuse_prefill = false`; `:perlayer`
 for an array from host values made per layer, not once per call, `hostpad.SHARE_HOST_ARRAYS`;
-`:apart` for each layer's positions moved on their own, as mlx-lm does, `hostpad.SHARE_POSITIONS`)
+`:apart` for each layer's positions moved on their own, as mlx-lm does, `hostpad.SHARE_POSITIONS`;
+`:padjoin` for joins that pad each side and concatenate, as mlx-lm's do, `hostpad.JOIN_ONCE`)
 runs side by side, `--repeat` times in rotating order. Clocks wrap mlx-lm's phases:
 
 - decode: `GenerationBatch.next` (the decode step, with its wait for the previous one);
@@ -135,12 +136,14 @@ def admitter(args: argparse.Namespace) -> Callable[[], Admit]:
 
 
 def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
-    """Our engine for a variant: a budget, with `:mlx`, `:blocking`, `:nofuse`, `:perlayer` or
-    `:apart` (the header). The last two are process-wide: they hold until the next variant's engine."""
+    """Our engine for a variant: a budget, with `:mlx`, `:blocking`, `:nofuse`, `:perlayer`,
+    `:apart` or `:padjoin` (the header). The last three are process-wide: they hold until the next
+    variant's engine."""
     budget_text, _, flag = variant.partition(":")
     budget: int | str = budget_text if budget_text == "auto" else int(budget_text)
     hostpad.SHARE_HOST_ARRAYS = flag != "perlayer"
     hostpad.SHARE_POSITIONS = flag != "apart"
+    hostpad.JOIN_ONCE = flag != "padjoin"
     return MLXEngine(
         model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,
         prefill_step=args.prefill_step, step_token_budget=budget, pipelined_prefill=flag != "mlx",

@@ -16,7 +16,8 @@ own batch-cache filter, which waits for the device to read the rows' padding, `:
 copies the rows that stay by MLX's gather (as mlx-lm's filter) rather than by runs, `:rollpad`
 right-pads every prefill pass and rolls its caches (as mlx-lm does), even a first one, `:perlayer`
 makes each layer's cache its own arrays from host values (as mlx-lm does), `:apart` moves each
-layer's positions on its own (as mlx-lm does, `hostpad.SHARE_POSITIONS`), `:mlxattn` keeps MLX's
+layer's positions on its own (as mlx-lm does, `hostpad.SHARE_POSITIONS`), `:padjoin` joins rows by
+padding each side and concatenating (as mlx-lm does, `hostpad.JOIN_ONCE`), `:mlxattn` keeps MLX's
 masked attention for padded decode rows on CUDA (`padded_attention.ENABLED`), `:nogc` turns
 Python's garbage collector off for the timed run (every run reports the collector's pauses);
 `:key=value` sets any `[worker]` setting (`0:prefill_batch=4:prefill_pack=false`):
@@ -48,12 +49,12 @@ from workers.batching.prefill import PipelinedPrefill
 
 PEER = "mlx_lm.server"
 FLAGS = ("keepcache", "queued", "blocking", "mlxpad", "gatherfilter", "rollpad", "perlayer", "apart",
-         "mlxattn", "nogc")
+         "padjoin", "mlxattn", "nogc")
 """Variant flags: MLX's clear_cache a no-op; prefill chunks queued or blocking; mlx-lm's own
 batch-cache filter (it reads the rows' padding from the device) instead of ours; ours copying the
 rows that stay by gather rather than by runs; every pass right-padded and rolled; an array from
-host values per layer rather than one per call; each layer's positions moved on its own; MLX's
-masked attention for padded decode rows;
+host values per layer rather than one per call; each layer's positions moved on its own; joins
+padded side by side and concatenated; MLX's masked attention for padded decode rows;
 Python's cyclic garbage collector off during the timed run."""
 
 
@@ -294,6 +295,7 @@ def compare(args: argparse.Namespace) -> None:
             hostpad.COPY_RUNS = "gatherfilter" not in flags
             hostpad.SHARE_HOST_ARRAYS = "perlayer" not in flags
             hostpad.SHARE_POSITIONS = "apart" not in flags
+            hostpad.JOIN_ONCE = "padjoin" not in flags
             padded_attention.ENABLED = "mlxattn" not in flags
             PipelinedPrefill._fresh = rollpad if "rollpad" in flags else fresh  # type: ignore[method-assign]
             try:

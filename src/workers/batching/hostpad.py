@@ -58,6 +58,8 @@ SHARE_HOST_ARRAYS = True
 """Benchmarks turn it off to measure an array made from host values per layer (mlx-lm's way)."""
 SHARE_POSITIONS = True
 """Benchmarks turn it off to measure each layer's positions moved on their own (mlx-lm's way)."""
+JOIN_ONCE = True
+"""Benchmarks turn it off to measure a join that pads each side, then concatenates (mlx-lm's way)."""
 MAX_RUNS = 4
 """More runs than this are gathered: each run costs a copy of every layer's keys and values to
 launch. On an H100 eight runs (eight rows leaving, spread) cost the 0.5B shape 1.1-1.2x the gather
@@ -192,7 +194,7 @@ class HostPaddedKVCache(BatchKVCache):
         else:  # as BatchKVCache.extend: both right-justified to the longer one
             top = max(self._idx, other._idx)
             shift_mine, shift_theirs = top - self._idx, top - other._idx
-        if theirs is not None and self.keys is not None and other.keys is not None:
+        if JOIN_ONCE and theirs is not None and self.keys is not None and other.keys is not None:
             self.keys, self.values = (joined(self.keys, other.keys, shift_mine, shift_theirs),
                                       joined(self.values, other.values, shift_mine, shift_theirs))
             self.offset = mx.concatenate([self.offset, other.offset])
