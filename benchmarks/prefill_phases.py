@@ -135,11 +135,17 @@ def admitter(args: argparse.Namespace) -> Callable[[], Admit]:
     return admit
 
 
+FLAGS = ("", "mlx", "blocking", "nofuse", "perlayer", "apart", "padjoin")
+"""A variant's one flag after its budget (none, or the header's)."""
+
+
 def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
     """Our engine for a variant: a budget, with `:mlx`, `:blocking`, `:nofuse`, `:perlayer`,
     `:apart` or `:padjoin` (the header). The last three are process-wide: they hold until the next
     variant's engine."""
     budget_text, _, flag = variant.partition(":")
+    if flag not in FLAGS:
+        raise SystemExit(f"unknown variant flag {flag!r} in {variant!r} (one a variant): known {FLAGS[1:]}")
     budget: int | str = budget_text if budget_text == "auto" else int(budget_text)
     hostpad.SHARE_HOST_ARRAYS = flag != "perlayer"
     hostpad.SHARE_POSITIONS = flag != "apart"

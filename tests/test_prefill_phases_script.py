@@ -1,0 +1,38 @@
+"""`benchmarks/prefill_phases.py` (and `kernel_trace.py`, which takes its variants): a variant's
+flag switches what it names, and one it does not know is an error, not a silent default."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.scripts import load_script
+from workers.batching import hostpad
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "prefill_phases.py"
+
+
+def _args() -> argparse.Namespace:
+    return argparse.Namespace(vocab=256, concurrency=4, prefill_batch=2, prefill_step=64)
+
+
+@pytest.mark.parametrize(("variant", "shared", "once"), [("64", True, True), ("64:apart", False, True),
+                                                         ("auto:padjoin", True, False)])
+def test_a_variants_flag_switches_what_it_names(variant: str, shared: bool, once: bool, tiny_model: Any,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    phases = load_script(SCRIPT, "prefill_phases_script")
+    for name in ("SHARE_POSITIONS", "JOIN_ONCE", "SHARE_HOST_ARRAYS"):
+        monkeypatch.setattr(hostpad, name, getattr(hostpad, name))  # restored after the test
+    engine = phases.engine_for(tiny_model, _args(), variant)
+    engine.close()
+    assert (hostpad.SHARE_POSITIONS, hostpad.JOIN_ONCE, hostpad.SHARE_HOST_ARRAYS) == (shared, once, True)
+
+
+def test_an_unknown_or_second_flag_is_an_error(tiny_model: Any) -> None:
+    phases = load_script(SCRIPT, "prefill_phases_script")
+    for variant in ("512:apart:padjoin", "512:nosuch"):
+        with pytest.raises(SystemExit, match="unknown variant flag"):
+            phases.engine_for(tiny_model, _args(), variant)
