@@ -50,27 +50,17 @@ class _Step:
 
     def __init__(self, batches: Sequence[Sequence[Any]]) -> None:
         self.batch_of: dict[int, int] = {}
-        self.batches: list[Sequence[Any]] = []
         self.held: list[mx.array] = []  # the offsets stay alive, so their ids stay theirs
         self.tables: dict[tuple[Any, ...], tuple[mx.array, mx.array]] = {}
-        for caches in batches:
+        for batch, caches in enumerate(batches):
             # Other kinds of cache may count positions otherwise, and layers that hold unlike
             # lengths do not share positions: MLX's own path for those.
             if (not caches or not all(isinstance(c, BatchKVCache) for c in caches)
                     or len({c._idx for c in caches}) != 1):
                 continue
             for c in caches:
-                self.batch_of[id(c.offset)] = len(self.batches)
+                self.batch_of[id(c.offset)] = batch
                 self.held.append(c.offset)
-            self.batches.append(caches)
-
-    def share(self) -> None:
-        """After the step: every layer of a batch takes the first layer's new offsets (equal
-        values; `hostpad.share`). Only the arrays the step's rotation read are evaluated, so each
-        other layer's own would otherwise grow a graph of additions, one a step, that nothing
-        evaluates: shared whatever `hostpad.SHARE_POSITIONS` says."""
-        for caches in self.batches:
-            share(caches, always=True)
 
 
 def _served(module: Any) -> tuple[int, float | None, float, mx.array | None] | None:
@@ -214,23 +204,24 @@ def positions(ropes: Sequence[Any], *batches: Sequence[Any]) -> Iterator[None]:
     """Within it, on this thread, the `ropes` (from `modules`) rotate every layer of each batch
     (a list of caches, one a layer) with one table of that batch's positions. The modules get
     their own classes back after, so that anything else using the model meets mlx-lm's own.
-    Without `ropes` (off the CPU) each layer rotates by its own offsets, and after the block every
-    layer of a batch takes the first one's (`hostpad.share`)."""
-    if not ropes:  # MLX rotates each layer by its own offsets: only the first layer's are moved
+    After the block every layer of a batch takes the first one's new offsets (`hostpad.share`).
+    With `ropes` that holds whatever `hostpad.SHARE_POSITIONS` says: the table reads only the
+    first layer's, so each other layer's own would grow a graph of additions, one a step, that
+    nothing evaluates."""
+    if not ropes:  # MLX rotates each layer by its own offsets
         yield
-        for caches in batches:
-            share(caches)
-        return
-    outer: _Step | None = getattr(_local, "step", None)
-    classes = [_OWN.get(type(m), type(m)) for m in ropes]
-    step = _local.step = _Step(batches)
-    for m, cls in zip(ropes, classes, strict=True):
-        m.__class__ = _TABLED[cls]
-    try:
-        yield
-        step.share()
-    finally:
-        _local.step = outer
-        if outer is None:
-            for m, cls in zip(ropes, classes, strict=True):
-                m.__class__ = cls
+    else:
+        outer: _Step | None = getattr(_local, "step", None)
+        classes = [_OWN.get(type(m), type(m)) for m in ropes]
+        _local.step = _Step(batches)
+        for m, cls in zip(ropes, classes, strict=True):
+            m.__class__ = _TABLED[cls]
+        try:
+            yield
+        finally:
+            _local.step = outer
+            if outer is None:
+                for m, cls in zip(ropes, classes, strict=True):
+                    m.__class__ = cls
+    for caches in batches:
+        share(caches, always=bool(ropes))
