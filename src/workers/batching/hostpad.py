@@ -45,10 +45,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 ENABLED = True
 """Benchmarks turn it off to measure mlx-lm's own reads side by side."""
@@ -79,14 +82,20 @@ def host_ints(values: Sequence[int]) -> mx.array:
     if not SHARE_HOST_ARRAYS:
         return mx.array(list(values), dtype=mx.int32)
     key = tuple(values)
-    held = _held.get(key)
+    return mx.stop_gradient(_kept(_held, _HELD, key, lambda: mx.array(list(key), dtype=mx.int32)))
+
+
+def _kept(store: OrderedDict[tuple[int, ...], mx.array], limit: int, key: tuple[int, ...],
+          make: Callable[[], mx.array]) -> mx.array:
+    """`store[key]`, made by `make` when it is not there; the `limit` most recently used stay."""
+    held = store.get(key)
     if held is None:
-        held = _held[key] = mx.array(list(key), dtype=mx.int32)
-        while len(_held) > _HELD:
-            _held.popitem(last=False)
+        held = store[key] = make()
+        while len(store) > limit:
+            store.popitem(last=False)
     else:
-        _held.move_to_end(key)
-    return mx.stop_gradient(held)
+        store.move_to_end(key)
+    return held
 
 
 def forget_host_ints() -> None:
@@ -99,16 +108,8 @@ def forget_host_ints() -> None:
 def roll_index(length: int, shifts: Sequence[int]) -> mx.array:
     """mlx-lm's `dynamic_roll` index for keys or values of `length` positions, each row rolled
     right by its shift: made once for every layer of a call that asks for the same."""
-    key = (length, *shifts)
-    idx = _rolls.get(key)
-    if idx is None:
-        idx = _rolls[key] = (mx.arange(length)[None, None, :, None]
-                             - host_ints(shifts)[:, None, None, None]) % length
-        while len(_rolls) > 2:
-            _rolls.popitem(last=False)
-    else:
-        _rolls.move_to_end(key)
-    return idx
+    return _kept(_rolls, 2, (length, *shifts), lambda: (
+        mx.arange(length)[None, None, :, None] - host_ints(shifts)[:, None, None, None]) % length)
 
 
 def share(caches: Sequence[Any], *, always: bool = False) -> None:
