@@ -200,8 +200,13 @@ def usable(q: mx.array, keys: mx.array, cache_: Any, mask: Any) -> bool:
     return (ENABLED and _installed and q.shape[2] == 1 and isinstance(mask, mx.array)
             and type(cache_) is HostPaddedKVCache and q.dtype in (mx.bfloat16, mx.float16)
             and keys.dtype == q.dtype and q.shape[-1] in HEAD_DIMS and keys.shape[-1] == q.shape[-1]
-            and q.shape[1] % keys.shape[1] == 0
-            and q.shape[1] // keys.shape[1] * q.shape[-1] <= SHARED_FLOATS)
+            and grouped(q.shape[1], keys.shape[1], q.shape[-1]))
+
+
+def grouped(heads: int, kv_heads: int, dim: int) -> bool:
+    """Whether the kernel takes this head layout: whole groups of query heads a key-value head,
+    whose partial outputs fit in its shared memory with one warp."""
+    return heads > 0 and kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads * dim <= SHARED_FLOATS
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
@@ -266,7 +271,7 @@ def install(model: Any) -> str:
     if width not in HEAD_DIMS:
         return f"its attention heads are {width} wide; the kernel serves {list(HEAD_DIMS)}"
     kv_heads: int = getattr(args, "num_key_value_heads", None) or heads
-    if not heads or heads % kv_heads or heads // kv_heads * width > SHARED_FLOATS:
+    if not grouped(heads, kv_heads, width):
         return f"its {heads} query heads over {kv_heads} key-value heads do not suit the kernel"
     if host_padding_unavailable():
         return "the batch caches are mlx-lm's own here (see host_padding_unavailable)"
