@@ -303,20 +303,11 @@ class AdmissionCore:
 
     # ---- preemption --------------------------------------------------------------------------
     def _preempt(self, short: Live, now: float) -> None:
-        """Free memory for `short`: ask the worker to drop the policy's victim, unless blocks are
-        already on their way back (then wait for them and try again)."""
-        memory = self.memory
-        if memory.freeing > 0:
-            return
-        growing = (State.PREFILLING, State.RUNNING)
-        candidates = [r.item for r in memory.rows.values() if r.state in growing]
-        victim_item = self._policy.victim(candidates, now)
-        victim = memory.rows.get(victim_item.rid) if victim_item is not None else None
-        if victim is None or victim.state not in growing:
-            victim = short if short.state in growing else None
+        """Free memory for `short`: ask the worker to drop the victim `Memory.victim` names."""
+        victim = self.memory.victim(self._policy, short, now)
         if victim is None:
             return
-        memory.preempting(victim)
+        self.memory.preempting(victim)
         self._aborts.append(victim.rid)
         log.info("request_preempted", request_id=victim.rid, tenant=victim.item.tenant,
                  blocks=victim.blocks, generated=victim.completion_tokens)

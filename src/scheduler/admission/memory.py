@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from metrics.observer import Observer
     from scheduler.admission.live import Counters, Live
     from scheduler.params import SamplingParams
+    from scheduler.policy import Policy
     from workers.messages import Key
 
 class Memory:
@@ -137,6 +138,19 @@ class Memory:
 
     def unpin(self, rid: int) -> None:
         self.pending.append((Unpin(rid), None))
+
+    def victim(self, policy: Policy, short: Live, now: float) -> Live | None:
+        """The row to drop so that `short` can grow: the policy's pick among the rows still
+        growing, else `short` itself if it grows; None while blocks are already on their way
+        back (wait for them) or nothing grows."""
+        if self.freeing > 0:
+            return None
+        growing = (State.PREFILLING, State.RUNNING)
+        picked = policy.victim([r.item for r in self.rows.values() if r.state in growing], now)
+        victim = self.rows.get(picked.rid) if picked is not None else None
+        if victim is None or victim.state not in growing:
+            victim = short if short.state in growing else None
+        return victim
 
     def preempting(self, live: Live) -> None:
         """`live` was asked to leave the batch to free memory."""
