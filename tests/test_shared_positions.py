@@ -36,7 +36,8 @@ def ops(arrays: list[mx.array], name: str) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "graph.dot"
         mx.export_to_dot(str(path), *arrays)
-        return path.read_text().count(f'label ="{name}"') + path.read_text().count(f'label="{name}"')
+        text = path.read_text()
+    return text.count(f'label ="{name}"') + text.count(f'label="{name}"')
 
 
 def test_share_gives_every_layer_the_first_layers_positions_and_drops_their_own() -> None:
