@@ -97,6 +97,37 @@ def test_a_join_copies_each_side_once_into_what_mlx_lms_extend_makes(steps: int,
     assert ours.padding() == theirs.left_padding.tolist()
 
 
+def empty(padding: list[int]) -> tuple[Any, Any]:
+    """mlx-lm's cache and ours for rows that hold nothing yet (prompts about to start)."""
+    ours: Any = BatchKVCache(padding)
+    host_padded([ours], padding)
+    return BatchKVCache(padding), ours
+
+
+@pytest.mark.parametrize("holding", ["first", "second"])
+def test_a_join_with_a_side_that_holds_nothing_yet_makes_what_mlx_lms_extend_makes(
+    holding: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New prompts join a prompt batch part-way through (or the other way round): the side
+    without keys joins as zeros, its rows moved right to the other side's length."""
+    made: list[tuple[int, ...]] = []
+    zeros = mx.zeros
+    monkeypatch.setattr(hostpad.mx, "zeros", lambda shape, *a, **k: made.append(tuple(shape)) or zeros(shape, *a, **k))
+    full_t, full_o = twin([2, 0], steps=7, seed=5)
+    empty_t, empty_o = empty([0, 0, 0])
+    theirs, ours = (full_t, full_o) if holding == "first" else (empty_t, empty_o)
+    theirs.extend(empty_t if holding == "first" else full_t)
+    made.clear()
+    ours.extend(empty_o if holding == "first" else full_o)
+    made_by_ours = list(made)
+    same(theirs, ours)
+    assert mx.array_equal(theirs.keys, ours.keys).item() and mx.array_equal(theirs.values, ours.values).item()
+    assert ours.padding() == theirs.left_padding.tolist()
+    # one zeroed array each for the keys and the values, no empty ones padded and concatenated
+    rows = (5, 2, 256, 4)
+    assert made_by_ours == [rows, rows]
+
+
 def test_after_a_filter_the_padding_is_known_without_reading_the_device() -> None:
     _, ours = twin([1, 0, 3], steps=4, seed=3)
     ours.filter([0, 2])

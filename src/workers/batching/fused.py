@@ -89,6 +89,7 @@ def forward(model: Any, inputs: mx.array, caches: list[Any], chunk: mx.array,
     parts = [hd.reshape(rows, -1), hc.reshape(prompts * length, -1)]
     x = mx.concatenate(parts + [mx.zeros((extra, hd.shape[-1]), hd.dtype)] if extra else parts)
     last = len(inner.layers) - 1
+    blank: mx.array | None = None  # every layer's padding rows of its attention output: one array
     for i, (layer, dc, cc) in enumerate(zip(inner.layers, caches, chunk_caches, strict=True)):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
@@ -100,7 +101,9 @@ def forward(model: Any, inputs: mx.array, caches: list[Any], chunk: mx.array,
                 _attend(attn, q[rows:flat], k[rows:flat], v[rows:flat], prompts, length, cc, chunk_mask),
             ]
             if extra:
-                parts.append(mx.zeros((extra, parts[0].shape[-1]), parts[0].dtype))
+                if blank is None:
+                    blank = mx.zeros((extra, parts[0].shape[-1]), parts[0].dtype)
+                parts.append(blank)
             out = mx.concatenate(parts)
         else:  # nothing reads the chunk's outputs past its last keys and values
             _store(attn, k[rows:flat], v[rows:flat], prompts, length, cc)

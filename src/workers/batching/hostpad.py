@@ -138,6 +138,8 @@ def share(caches: Sequence[Any], *, always: bool = False) -> None:
 class HostPaddedKVCache(BatchKVCache):
     """mlx-lm's batch KV cache with its rows' left padding also kept on the host."""
 
+    keys: Any  # mlx-lm's: None until something is stored
+    values: Any
     _host: tuple[mx.array, list[int]] | None = None
     _right: list[int] | None = None
     reads = 0
@@ -195,9 +197,10 @@ class HostPaddedKVCache(BatchKVCache):
         else:  # as BatchKVCache.extend: both right-justified to the longer one
             top = max(self._idx, other._idx)
             shift_mine, shift_theirs = top - self._idx, top - other._idx
-        if JOIN_ONCE and theirs is not None and self.keys is not None and other.keys is not None:
-            self.keys, self.values = (joined(self.keys, other.keys, shift_mine, shift_theirs),
-                                      joined(self.values, other.values, shift_mine, shift_theirs))
+        if JOIN_ONCE and theirs is not None and (self.keys is not None or other.keys is not None):
+            rows = (len(mine), len(theirs))  # a side that holds nothing yet joins as zeros
+            self.keys, self.values = (joined(self.keys, other.keys, shift_mine, shift_theirs, rows),
+                                      joined(self.values, other.values, shift_mine, shift_theirs, rows))
             self.offset = mx.concatenate([self.offset, other.offset])
             self._idx = top
         else:
@@ -235,13 +238,19 @@ class HostPaddedKVCache(BatchKVCache):
         return cache
 
 
-def joined(a: mx.array, b: mx.array, shift_a: int, shift_b: int) -> mx.array:
-    """`BatchKVCache.extend`'s keys or values: `a`'s rows then `b`'s, each moved right by its
-    shift, in the longer of the two lengths, zeros elsewhere. mlx-lm pads each side into an
-    array of its own and concatenates those; here each is copied once, into one zeroed array."""
-    size = max(a.shape[2], b.shape[2])
-    out = mx.zeros((a.shape[0] + b.shape[0], a.shape[1], size, a.shape[3]), a.dtype)
-    for start, part, shift in ((0, a, shift_a), (a.shape[0], b, shift_b)):
+def joined(a: mx.array | None, b: mx.array | None, shift_a: int, shift_b: int,
+           rows: tuple[int, int]) -> mx.array:
+    """`BatchKVCache.extend`'s keys or values: `a`'s rows then `b`'s (`rows` of each), each moved
+    right by its shift, in the longer of the two lengths, zeros elsewhere; a side that is None
+    (its caches hold nothing yet) is all zeros. mlx-lm pads each side into an array of its own
+    (an empty side too) and concatenates those; here each side that holds anything is copied
+    once, into one zeroed array."""
+    sides = ((0, a, shift_a), (rows[0], b, shift_b))
+    parts = [(start, p, shift) for start, p, shift in sides if p is not None]
+    like = parts[0][1]
+    size = max(p.shape[2] for _, p, _ in parts)
+    out = mx.zeros((rows[0] + rows[1], like.shape[1], size, like.shape[3]), like.dtype)
+    for start, part, shift in parts:
         n = min(part.shape[2], size - shift)  # what lies past the longer length is capacity
         out[start : start + part.shape[0], :, shift : shift + n, :] = part[..., :n, :]
     return out
