@@ -143,6 +143,7 @@ def charge(events: list[dict[str, Any]], steps: list[dict[str, Any]], wall: floa
     per_step_kernels: dict[int, int] = defaultdict(int)
     per_step_names: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     per_step_launches: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    per_step_order: dict[int, list[tuple[int, str]]] = defaultdict(list)
     uncharged = 0
     for e in device:
         step = launch_step.get(e.get("args", {}).get("correlation", -1))
@@ -155,6 +156,7 @@ def charge(events: list[dict[str, Any]], steps: list[dict[str, Any]], wall: floa
         per_step_kernels[step] += 1
         per_step_names[step][_short(e)] += e["dur"] / 1e3
         per_step_launches[step][_short(e)] += 1
+        per_step_order[step].append((e.get("args", {}).get("correlation", 0), _short(e)))
     busy_total = sum(e["dur"] for e in device) / 1e6
     out: dict[str, Any] = {"wall_s": wall, "steps": len(steps), "device_busy_share": busy_total / wall,
                            "device_events": len(device), "charged_by_time": uncharged, "classes": {}}
@@ -170,6 +172,7 @@ def charge(events: list[dict[str, Any]], steps: list[dict[str, Any]], wall: floa
             "prefill_tokens": statistics.mean(steps[i]["prefill_tokens"] for i in idx),
             "top": means(per_step_names, idx, top),
             "most_launched": means(per_step_launches, idx, top),
+            "sequence": sequence(per_step_order, per_step_kernels, idx),
         }
     out["around"] = around(steps, per_step_busy, per_step_kernels, per_step_names, top)
     return out
@@ -183,6 +186,15 @@ def means(per_step: dict[int, dict[str, Any]], idx: list[int], top: int) -> list
         for n, x in per_step[i].items():
             total[n] += x / len(idx)
     return sorted(([n, x] for n, x in total.items()), key=lambda p: -p[1])[:top]
+
+
+def sequence(order: dict[int, list[tuple[int, str]]], kernels: dict[int, int], idx: list[int]) -> list[str]:
+    """The kernels of the step among `idx` with the median count, in the order they were launched
+    (a step's graph runs layer by layer, so each layer's pattern shows)."""
+    if not idx:
+        return []
+    median = sorted(idx, key=lambda i: kernels[i])[len(idx) // 2]
+    return [name for _, name in sorted(order[median])]
 
 
 def around(steps: list[dict[str, Any]], busy: dict[int, float], kernels: dict[int, int],

@@ -7,7 +7,8 @@ a warm-up. Each variant (a budget; `:mlx` for mlx-lm's own prefill and joining i
 `:nofuse` for a chunk in a forward pass of its own, `[worker] fuse_prefill = false`; `:perlayer`
 for an array from host values made per layer, not once per call, `hostpad.SHARE_HOST_ARRAYS`;
 `:apart` for each layer's positions moved on their own, as mlx-lm does, `hostpad.SHARE_POSITIONS`;
-`:padjoin` for joins that pad each side and concatenate, as mlx-lm's do, `hostpad.JOIN_ONCE`)
+`:padjoin` for joins that pad each side and concatenate, as mlx-lm's do, `hostpad.JOIN_ONCE`;
+a budget `448x4` plans prefill one step in 4, with 4 steps' budget, `[worker] prefill_every`)
 runs side by side, `--repeat` times in rotating order. Clocks wrap mlx-lm's phases:
 
 - decode: `GenerationBatch.next` (the decode step, with its wait for the previous one);
@@ -146,6 +147,7 @@ def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
     budget_text, _, flag = variant.partition(":")
     if flag not in FLAGS:
         raise SystemExit(f"unknown variant flag {flag!r} in {variant!r} (one a variant): known {FLAGS[1:]}")
+    budget_text, _, every = budget_text.partition("x")
     budget: int | str = budget_text if budget_text == "auto" else int(budget_text)
     hostpad.SHARE_HOST_ARRAYS = flag != "perlayer"
     hostpad.SHARE_POSITIONS = flag != "apart"
@@ -153,7 +155,7 @@ def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
     return MLXEngine(
         model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,
         prefill_step=args.prefill_step, step_token_budget=budget, pipelined_prefill=flag != "mlx",
-        queue_chunks=flag != "blocking", fuse_prefill=flag != "nofuse",
+        queue_chunks=flag != "blocking", fuse_prefill=flag != "nofuse", prefill_every=int(every or 1),
     )
 
 

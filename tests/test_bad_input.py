@@ -101,6 +101,7 @@ BAD_CONFIGS: list[tuple[str, str]] = [
     ("[worker]\nmax_batch = -4", "worker.max_batch"),
     ('[worker]\nmax_batch = "64"', "worker.max_batch: Expected `int`"),
     ("[worker]\nprefill_step = 1.5", "worker.prefill_step"),
+    ("[worker]\nprefill_every = 0", "worker.prefill_every"),
     ('[worker]\non_failure = "retry"', "worker.on_failure"),
     ("[worker]\nthreads = 2", "worker.threads: unknown key"),
     ("[model]\npath = 5", "model.path: Expected `str`"),

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import random
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -11,6 +12,8 @@ from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from tests.fakes import FakeEngine, fake_factory, fake_token
 from tests.test_integration import prompts
 from workers.batching.budget import AUTO_MIN_CAP, AUTO_MIN_TOKENS, AUTO_TOKENS_PER_SLOT, PrefillBudget
+from workers.batching.engine import MLXEngine
+from workers.batching.mlxlm import queue_sizes
 from workers.messages import Admit, SamplingSpec
 
 if TYPE_CHECKING:
@@ -150,3 +153,63 @@ def test_full_speed_prefill_packs_short_prompts_into_one_pass() -> None:
     fixed = PrefillBudget(128, max_chunk=512, max_prompts=8, max_batch=128, pack=True)
     assert fixed.plan(decoding=10, in_prefill=0, waiting=50, room=50, chunks=[10] * 50) == (32, 4)
     assert fixed.plan(decoding=0, in_prefill=0, waiting=50, room=50, chunks=[10] * 50) == (512, 50)
+
+
+def test_prefill_every_plans_one_step_in_n_with_n_steps_budget() -> None:
+    b = PrefillBudget(128, max_chunk=512, max_prompts=8, every=3)
+    assert [b.rests(decoding=10) for _ in range(7)] == [False, True, True, False, True, True, False]
+    # 3 x 128 tokens: the two prompts under way and six that join, 48 each
+    assert b.plan(decoding=10, in_prefill=2, waiting=9, room=50) == (48, 8)
+    assert not b.rests(decoding=0)  # nothing decoding: nothing to stall, and the count restarts
+    assert [b.rests(decoding=10) for _ in range(3)] == [False, True, True]
+    off = PrefillBudget(0, max_chunk=512, max_prompts=8, every=3)  # no bound: nothing rests
+    assert not any(off.rests(decoding=10) for _ in range(6))
+    assert off.plan(decoding=10, in_prefill=0, waiting=9, room=50) == (512, 8)
+    for every in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="prefill_every"):
+            PrefillBudget(128, max_chunk=8, max_prompts=1, every=every)  # type: ignore[arg-type]
+
+
+def _prefill_steps(model: Any, every: int) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
+    """Greedy outputs by request, and (rows decoding before the step, prompt tokens it
+    prefilled) for each step, of a stream of prompts arriving while rows decode."""
+    e = MLXEngine(model, vocab_size=256, max_batch=6, prefill_batch=3, prefill_step=32,
+                  step_token_budget=16, prefill_every=every)
+    rng = random.Random(5)
+    admits = [Admit(rid=i, prompt=[rng.randrange(3, 200) for _ in range(rng.randint(5, 60))],
+                    max_tokens=rng.randint(4, 14), sampling=SamplingSpec(), stop_token_ids=())
+              for i in range(16)]
+    e.insert(admits[:6])
+    later = iter(admits[6:])
+    out: dict[int, list[int]] = {a.rid: [] for a in admits}
+    steps: list[tuple[int, int]] = []
+    while e.has_work():
+        decoding = queue_sizes(e._gen).decoding
+        r = e.step()
+        steps.append((decoding, r.prefill_tokens))
+        for rid, token in zip(r.rids, r.tokens, strict=True):
+            out[rid].append(token)
+        e.insert([a for a in (next(later, None) for _ in r.finished) if a is not None])
+    e.close()
+    return out, steps
+
+
+@pytest.mark.integration
+def test_prefill_every_n_steps_keeps_greedy_output_and_rests_between(tiny_model: Any) -> None:
+    every_step, _ = _prefill_steps(tiny_model, 1)
+    third, steps = _prefill_steps(tiny_model, 3)
+    assert third == every_step
+    # While rows decode, a step that prefills is followed by two that do not (a step with
+    # nothing decoding prefills at full speed and starts the count again).
+    planned, gaps = 0, []
+    last: int | None = None
+    for i, (decoding, prefilled) in enumerate(steps):
+        if not decoding:
+            last = None
+        elif prefilled:
+            planned += 1
+            if last is not None:
+                gaps.append(i - last)
+            last = i
+    assert planned > 3 and gaps and min(gaps) >= 3
+    assert max(prefilled for decoding, prefilled in steps if decoding) <= 3 * 16

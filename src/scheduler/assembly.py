@@ -29,6 +29,7 @@ def real_engine_factory(c: SchedulerConfig) -> EngineFactory[Loaded]:
         prefill_batch=c.worker.prefill_batch,
         prefill_step=c.worker.prefill_step,
         step_token_budget=c.worker.step_token_budget,
+        prefill_every=c.worker.prefill_every,
         prefill_chunks=c.worker.prefill_chunks,
         prefill_pack=c.worker.prefill_pack,
         prefill_order=c.worker.prefill_order,

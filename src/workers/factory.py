@@ -111,6 +111,7 @@ def mlx_engine_factory(
     prefill_batch: int,
     prefill_step: int,
     step_token_budget: int | str = "auto",
+    prefill_every: int = 1,
     prefill_chunks: str = "auto",
     prefill_pack: bool = True,
     prefill_order: str = "arrival",
@@ -154,6 +155,7 @@ def mlx_engine_factory(
             prefill_batch=prefill_batch,
             prefill_step=prefill_step,
             step_token_budget=step_token_budget,
+            prefill_every=prefill_every,
             queue_chunks=prefill_chunks != "blocking",  # "auto": queued on every backend
             pack_prompts=prefill_pack,
             shortest_first=prefill_order == "length",

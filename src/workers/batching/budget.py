@@ -48,10 +48,16 @@ class PrefillBudget:
 
     def __init__(
         self, limit: int | str, *, max_chunk: int, max_prompts: int, max_batch: int = 64,
-        pack: bool = False, granule: int = 0,
+        pack: bool = False, granule: int = 0, every: int = 1,
     ) -> None:
         if limit != "auto" and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
             raise ValueError(f"step_token_budget must be 'auto' or an integer >= 0, got {limit!r}")
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"prefill_every must be an integer >= 1, got {every!r}")
+        self._every = every
+        """While rows decode, prefill is planned one step in this many, with that many steps'
+        budget; the steps between only decode (`rests`)."""
+        self._resting = 0
         self._limit = limit
         self._max_chunk = max_chunk
         self._max_prompts = max_prompts
@@ -83,6 +89,20 @@ class PrefillBudget:
         backlog = min(room, waiting) * self.prompt_tokens / FILL_STEPS
         return min(cap, max(AUTO_MIN_TOKENS, int(demand + backlog)))
 
+    def rests(self, *, decoding: int) -> bool:
+        """Whether the next step only decodes: with a bound, while rows decode, prefill is
+        planned one step in `every`. Where a step that carries prefill costs mostly what it
+        launches, not what it computes (a GPU), fewer and larger chunks cost fewer such steps
+        for the same prompt tokens."""
+        if self._every == 1 or decoding == 0 or self._limit == 0:
+            self._resting = 0
+            return False
+        if self._resting:
+            self._resting -= 1
+            return True
+        self._resting = self._every - 1
+        return False
+
     def plan(
         self, *, decoding: int, in_prefill: int, waiting: int, room: int, chunks: Iterable[int] = ()
     ) -> tuple[int, int]:
@@ -93,6 +113,8 @@ class PrefillBudget:
         the length of what each prompt prefills next (the prefilling ones', then the waiting
         ones' in the order they start), read only when packing."""
         budget = self.tokens(room=max(0, room - in_prefill), waiting=waiting)
+        if budget is not None:
+            budget *= self._every  # the steps that rest leave theirs to this one
         if budget is None or decoding == 0:  # nobody to stall: prefill at full speed
             if not self._pack:
                 return self._max_chunk, self._max_prompts

@@ -68,6 +68,7 @@ class MLXEngine:
         shortest_first: bool = False,
         fuse_prefill: bool | str = "auto",
         prefill_pad: int | str = "auto",
+        prefill_every: int = 1,
     ) -> None:
         self._grammar = None if grammar is None else GrammarRows(grammar, self._decoding_inputs)
         # Sessions need caches mlx-lm can extract and re-insert; prefix blocks need plain KVCaches.
@@ -99,6 +100,7 @@ class MLXEngine:
             max_batch=max_batch,
             pack=pack_prompts,
             granule=self.prefill_pad,
+            every=prefill_every,
         )
         self._order = ShortestFirst() if shortest_first else None
         self._model = model
@@ -280,6 +282,10 @@ class MLXEngine:
                 return self._results(alone.next_alone(), 0)
         sizes = queue_sizes(gen)
         decoding = sizes.decoding
+        if self._budget.rests(decoding=decoding):  # a decode step only: no prompt starts or joins
+            self.mask_free.before_step(gen)
+            with mx.stream(generator_stream(gen)):
+                return self._results(generation_batch(gen).next(), 0)
         if self._order is not None and sizes.waiting:
             self._order.reorder(gen)
         gen.prefill_step_size, gen.prefill_batch_size = self._budget.plan(
