@@ -14,7 +14,9 @@ prefill work:
 - wall ms a step, the device's busy ms a step (kernels + copies + sets) and kernels a step;
 - the device's busy share of the traced wall time (near 1: the device is the limit; low: the
   host, launching);
-- the kernels that take the most device time a step, by name.
+- the kernels that take the most device time a step, by name;
+- in the JSON (`sequence`), the kernels of the class's median step in the order they were
+  launched: a step's graph runs layer by layer, so each layer's pattern shows.
 
 With `--api-sites`, also each step's CUDA allocations, frees, copies and waits (`cudaMallocAsync`,
 `cudaMallocManaged`, `cudaFree`, ...) and the Python frames around each one in unified memory,

@@ -155,7 +155,7 @@ def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
     return MLXEngine(
         model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,
         prefill_step=args.prefill_step, step_token_budget=budget, pipelined_prefill=flag != "mlx",
-        queue_chunks=flag != "blocking", fuse_prefill=flag != "nofuse", prefill_every=int(every or 1),
+        queue_chunks=flag != "blocking", fuse_prefill=flag != "nofuse", prefill_every=int(every) if every else "auto",
     )
 
 

@@ -9,9 +9,11 @@ import anyio
 import pytest
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
+from scheduler.assembly import real_engine_factory
 from tests.fakes import FakeEngine, fake_factory, fake_token
 from tests.test_integration import prompts
 from workers.batching.budget import AUTO_MIN_CAP, AUTO_MIN_TOKENS, AUTO_TOKENS_PER_SLOT, PrefillBudget
+from workers.batching.choices import cadence
 from workers.batching.engine import MLXEngine
 from workers.batching.mlxlm import queue_sizes
 from workers.messages import Admit, SamplingSpec
@@ -213,3 +215,26 @@ def test_prefill_every_n_steps_keeps_greedy_output_and_rests_between(tiny_model:
             last = i
     assert planned > 3 and gaps and min(gaps) >= 3
     assert max(prefilled for decoding, prefilled in steps if decoding) <= 3 * 16
+
+
+def test_prefill_every_auto_is_four_steps_on_cuda_and_every_step_elsewhere() -> None:
+    assert cadence("auto", cuda=True) == 4 and cadence("auto", cuda=False) == 1
+    assert cadence(3, cuda=True) == cadence(3, cuda=False) == 3
+    for bad in (0, True, "often"):
+        with pytest.raises(ValueError, match="prefill_every"):
+            cadence(bad, cuda=True)
+
+
+@pytest.mark.parametrize(("value", "every"), [('"auto"', 1), ("3", 3)])
+def test_the_prefill_every_setting_reaches_the_engine_and_what_it_loaded(
+    model_cache: Path, value: str, every: int
+) -> None:
+    cfg = SchedulerConfig.from_toml(
+        f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"\n[worker]\nprefill_every = {value}'
+    )
+    built, loaded = real_engine_factory(cfg)()
+    try:  # "auto" on this CPU backend: every step
+        assert built.prefill_every == every == loaded.prefill_every
+        assert built._budget._every == every
+    finally:
+        built.close()

@@ -111,6 +111,7 @@ def build_stats(a: Admission, p: Pool, loaded: Loaded | None) -> SchedulerStats:
         fused_prefill=loaded is not None and loaded.fused_prefill,
         padded_attention=loaded is not None and loaded.padded_attention,
         prefill_pad=loaded.prefill_pad if loaded else 0,
+        prefill_every=loaded.prefill_every if loaded else 1,
         structured_output=loaded is None or not loaded.grammar_unavailable,
         cuda_settings_applied=loaded is None or not loaded.cuda_settings_late,
         blas=loaded.blas.library if loaded else "",

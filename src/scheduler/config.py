@@ -113,10 +113,11 @@ class WorkerSection(_Section):
     """Prompt tokens prefilled per engine step while others decode: bounds their inter-token
     latency (stall-free batching). "auto": on CPU, what keeps a full batch fed, spread over steps,
     at most max(64, max_batch) tokens; on a GPU, off. 0 turns the bound off."""
-    prefill_every: PositiveInt = 1
-    """While others decode, prefill only one step in this many, with that many steps' budget; the
-    steps between only decode. Where a step that carries prefill costs mostly its launches, not its
-    arithmetic (a GPU), fewer and larger chunks cost fewer such steps. 1: every step."""
+    prefill_every: PositiveInt | Literal["auto"] = "auto"
+    """Under a `step_token_budget`, while others decode, prefill only one step in this many, with
+    that many steps' budget; the steps between only decode. Where a step that carries prefill
+    costs mostly its launches, not its arithmetic (CUDA), fewer and larger chunks cost fewer such
+    steps. "auto": 4 on CUDA, 1 (every step) elsewhere."""
     prefill_chunks: Literal["auto", "queued", "blocking"] = "auto"
     """While others decode: "queued" hands each prefill chunk to MLX without waiting for it and
     keeps the allocator's cache; "blocking" waits for each and empties the cache, as mlx-lm does.

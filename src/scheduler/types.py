@@ -125,6 +125,9 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     prefill_pad: int = 0
     """Prefill passes' prompts are right-padded to a multiple of this many tokens (`[worker]
     prefill_pad`; "auto": 64 on CUDA, else 0), so that their shapes repeat."""
+    prefill_every: int = 1
+    """Under a step token budget, while others decode, prefill runs one step in this many (`[worker]
+    prefill_every`; "auto": 4 on CUDA, else 1)."""
     host_padding: bool = True
     """False when rows that leave the batch wait for the device, as in mlx-lm's own loop (an
     mlx-lm whose batch cache changed; the log says what differs)."""

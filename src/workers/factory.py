@@ -91,6 +91,8 @@ class Loaded(msgspec.Struct, frozen=True):
     """Whether each decode step's forward pass carries the next prefill chunk."""
     prefill_pad: int = 0
     """Prefill passes' prompts are right-padded to a multiple of this many tokens (0: not)."""
+    prefill_every: int = 1
+    """Under a step token budget, while others decode, prefill runs one step in this many."""
     host_padding_unavailable: str = ""
     """Why rows leaving the batch wait for the device, as in mlx-lm ("" when they do not)."""
     precision: Precision = Precision(dtype="")
@@ -111,7 +113,7 @@ def mlx_engine_factory(
     prefill_batch: int,
     prefill_step: int,
     step_token_budget: int | str = "auto",
-    prefill_every: int = 1,
+    prefill_every: int | str = "auto",
     prefill_chunks: str = "auto",
     prefill_pack: bool = True,
     prefill_order: str = "arrival",
@@ -177,7 +179,7 @@ def mlx_engine_factory(
             fuse_unavailable=engine.fuse_unavailable, fused_prefill=engine.fused,
             padded_attention=engine.padded_attention,
             padded_attention_unavailable=engine.padded_attention_unavailable,
-            prefill_pad=engine.prefill_pad,
+            prefill_pad=engine.prefill_pad, prefill_every=engine.prefill_every,
             host_padding_unavailable=host_padding_unavailable(),
             precision=loaded_model.precision, blas=blas_state(),
             grammar_unavailable=grammar_unavailable, cuda_settings_late=cuda_late,

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from workers.batching.budget import PrefillBudget
 from workers.batching.cachekinds import cache_support, trimmable
-from workers.batching.choices import fuses, pads
+from workers.batching.choices import cadence, fuses, pads
 from workers.batching.contract import StepResult
 from workers.batching.fused import unfusable
 from workers.batching.grammar import GrammarRows
@@ -68,7 +68,7 @@ class MLXEngine:
         shortest_first: bool = False,
         fuse_prefill: bool | str = "auto",
         prefill_pad: int | str = "auto",
-        prefill_every: int = 1,
+        prefill_every: int | str = "auto",
     ) -> None:
         self._grammar = None if grammar is None else GrammarRows(grammar, self._decoding_inputs)
         # Sessions need caches mlx-lm can extract and re-insert; prefix blocks need plain KVCaches.
@@ -88,6 +88,8 @@ class MLXEngine:
         """Whether each decode step's forward pass carries the next prefill chunk."""
         self.prefill_pad = pads(prefill_pad, cuda=cuda, plain_kv=self.support.prefix_blocks)
         """Prefill passes' prompts are right-padded to a multiple of this many tokens (0: not)."""
+        self.prefill_every = cadence(prefill_every, cuda=cuda)
+        """Under a budget, while rows decode, prefill runs one step in this many."""
         if step_token_budget == "auto" and gpu:
             # Measured on an H100 (docs/stalls.md): a prefill chunk is a forward pass of its own,
             # as costly on the host as a decode step, so spreading prefill over many steps kept
@@ -100,7 +102,7 @@ class MLXEngine:
             max_batch=max_batch,
             pack=pack_prompts,
             granule=self.prefill_pad,
-            every=prefill_every,
+            every=self.prefill_every,
         )
         self._order = ShortestFirst() if shortest_first else None
         self._model = model
