@@ -24,7 +24,11 @@ compute (the pipeline is broken: compare phases, not totals). A phase's lazy arr
 computed by whichever later phase evaluates them: the batch cache's compaction when rows leave
 (finish) and its merge when rows join (join) land in the next decode step unless
 `--eval-caches` evaluates the cache at the end of those two phases. Also: steps/s, decode
-tokens/s, and the steps that prefilled.
+tokens/s, tokens a step (how many rows decode, on average: the rows that wait for their prompts
+leave slots idle) and the steps that prefilled. Which steps prefill, and so tokens a step, do
+not depend on the backend: `--model synthetic:tiny --prefill-pad 64` on the CPU replays the
+steps of CUDA's padded passes in a minute (checked against an H200: 60.2, 55.6 and 37.7 tokens
+a step at budgets 0, 512 and 512x4 before whole-prompt plans, against 60.4, 55.8 and 37.5 there).
 
     python benchmarks/prefill_phases.py --variants 0 128 128:mlx --concurrency 32 [--sync]
 """
@@ -152,10 +156,12 @@ def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
     hostpad.SHARE_HOST_ARRAYS = flag != "perlayer"
     hostpad.SHARE_POSITIONS = flag != "apart"
     hostpad.JOIN_ONCE = flag != "padjoin"
+    pad = getattr(args, "prefill_pad", "auto")  # kernel_trace.py's arguments have none
     return MLXEngine(
         model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,
         prefill_step=args.prefill_step, step_token_budget=budget, pipelined_prefill=flag != "mlx",
         queue_chunks=flag != "blocking", fuse_prefill=flag != "nofuse", prefill_every=int(every) if every else "auto",
+        prefill_pad=pad if pad == "auto" else int(pad),
     )
 
 
@@ -190,7 +196,7 @@ def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
     engine.close()
     phases = dict(clocks.total)
     phases["engine"] = step_clock - sum(phases.values())
-    return {"tok_s": tokens / wall, "ms_per_step": wall / args.steps * 1e3,
+    return {"tok_s": tokens / wall, "ms_per_step": wall / args.steps * 1e3, "tokens_per_step": tokens / args.steps,
             "prefill_steps": prefill_steps, "slow_steps": slow_steps(per_step), "phase_ms_per_step": {k: v / args.steps * 1e3 for k, v in phases.items()},
             "calls": dict(clocks.calls)}
 
@@ -234,6 +240,8 @@ def main() -> None:
                     help="evaluate the batch cache after a finish or a join, so the copy each builds "
                          "lazily is clocked there, not in the next decode step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefill-pad", default="auto",
+                    help="[worker] prefill_pad (64 replays CUDA's passes on the CPU: the same steps)")
     ap.add_argument("--out", default="benchmarks/results/prefill_phases.json")
     args = ap.parse_args()
     apply_cuda_defaults()  # as the worker does: CUDA graphs off for an unquantized model
@@ -251,15 +259,18 @@ def main() -> None:
     print(f"\n{args.model} on {mx.default_device()}, {args.concurrency} rows, prompts {args.prompt_min}-"
           f"{args.prompt_max}, {args.max_tokens} tokens, {args.steps} steps, medians of {args.repeat}"
           f"{', synchronized phases' if args.sync else ''}; load {min(loads):.2f}-{max(loads):.2f}")
-    print(f"{'variant':<12} {'tok/s':>7} {'ms/step':>8} {'prefilled':>9} " + " ".join(f"{n:>11}" for n in names))
+    print(f"{'variant':<12} {'tok/s':>7} {'ms/step':>8} {'tok/step':>8} {'prefilled':>9} "
+          + " ".join(f"{n:>11}" for n in names))
     table = {}
     for v, rs in runs.items():
         row = {"tok_s": statistics.median(r["tok_s"] for r in rs),
                "ms_per_step": statistics.median(r["ms_per_step"] for r in rs),
+               "tokens_per_step": statistics.median(r["tokens_per_step"] for r in rs),
                "prefill_steps": statistics.median(r["prefill_steps"] for r in rs)}
         row.update({n: statistics.median(r["phase_ms_per_step"].get(n, 0.0) for r in rs) for n in names})
         table[v] = row
-        print(f"{v:<12} {row['tok_s']:>7.0f} {row['ms_per_step']:>8.2f} {row['prefill_steps']:>9.0f} "
+        print(f"{v:<12} {row['tok_s']:>7.0f} {row['ms_per_step']:>8.2f} {row['tokens_per_step']:>8.1f} "
+              f"{row['prefill_steps']:>9.0f} "
               + " ".join(f"{row[n]:>11.2f}" for n in names))
     print("(phases: ms per step, averaged over all steps)")
     print("\nThe slowest steps (>= p95 of step time) against the median half, first run, ms a step:")

@@ -160,8 +160,12 @@ def test_full_speed_prefill_packs_short_prompts_into_one_pass() -> None:
 def test_prefill_every_plans_one_step_in_n_with_n_steps_budget() -> None:
     b = PrefillBudget(128, max_chunk=512, max_prompts=8, every=3)
     assert [b.rests(decoding=10) for _ in range(7)] == [False, True, True, False, True, True, False]
-    # 3 x 128 tokens: the two prompts under way and six that join, 48 each
-    assert b.plan(decoding=10, in_prefill=2, waiting=9, room=50) == (48, 8)
+    # 3 x 128 tokens a plan, in whole prompts: one that has only its last token left (it joins
+    # and costs nothing), then as many as fit padded to the longest: 3 x 100, not a fourth of 130
+    chunks = [1, 60, 100, 90, 130, 20]
+    assert b.plan(decoding=10, in_prefill=2, waiting=4, room=50, chunks=chunks) == (512, 1 + 3)
+    # a prompt longer than the budget still goes, alone, a chunk of `max_chunk` at most
+    assert b.plan(decoding=10, in_prefill=0, waiting=2, room=50, chunks=[900, 10]) == (512, 1)
     assert not b.rests(decoding=0)  # nothing decoding: nothing to stall, and the count restarts
     assert [b.rests(decoding=10) for _ in range(3)] == [False, True, True]
     off = PrefillBudget(0, max_chunk=512, max_prompts=8, every=3)  # no bound: nothing rests

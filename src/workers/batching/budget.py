@@ -119,6 +119,8 @@ class PrefillBudget:
             if not self._pack:
                 return self._max_chunk, self._max_prompts
             return self._max_chunk, self.packed(chunks, in_prefill + room)
+        if self._every > 1:
+            return self._max_chunk, self.fitting(chunks, budget, in_prefill + room)
         cap = max(1, min(self._max_prompts, budget // MIN_CHUNK))
         joining = max(0, min(cap - in_prefill, room, waiting))
         prefilling = max(1, in_prefill + joining)
@@ -126,6 +128,24 @@ class PrefillBudget:
         if self._granule > 1 and chunk > self._granule:
             chunk -= chunk % self._granule
         return chunk, cap
+
+    def fitting(self, chunks: Iterable[int], budget: int, most: int) -> int:
+        """How many prompts one step that plans one step in `every` takes, each whole up to
+        `max_chunk` tokens: as many as fit, in order, while the pass's padded tokens (prompts x
+        the longest chunk) stay within `budget`; at least one, at most `most` (or `max_batch`).
+        Whole prompts finish in the step that carries them and join at the next plan, where
+        equal shares would keep each waiting for several plans, its slot idle."""
+        most = min(most, self._max_batch)
+        n = done = longest = 0  # done: prompts whose last token is all that is left (they join)
+        for length in chunks:
+            if length <= 1:
+                done += 1
+                continue
+            longest = max(longest, min(length, self._max_chunk))
+            if n >= most or (n > 0 and (n + 1) * longest > budget):
+                break
+            n += 1
+        return done + max(n, 1)
 
     def packed(self, chunks: Iterable[int], most: int) -> int:
         """How many prompts one full-speed prefill pass takes: as many as fit, in order, while
