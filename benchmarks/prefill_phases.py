@@ -8,6 +8,7 @@ a warm-up. Each variant (a budget; `:mlx` for mlx-lm's own prefill and joining i
 for an array from host values made per layer, not once per call, `hostpad.SHARE_HOST_ARRAYS`;
 `:apart` for each layer's positions moved on their own, as mlx-lm does, `hostpad.SHARE_POSITIONS`;
 `:padjoin` for joins that pad each side and concatenate, as mlx-lm's do, `hostpad.JOIN_ONCE`;
+`:mlxchunk` for MLX's own products in prompt chunks' attention, `padded_attention.GROUPED`;
 a budget `448x4` plans prefill one step in 4, with 4 steps' budget, `[worker] prefill_every`)
 runs side by side, `--repeat` times in rotating order. Clocks wrap mlx-lm's phases:
 
@@ -52,7 +53,7 @@ import workers  # noqa: F401
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
-from workers.batching import hostpad
+from workers.batching import hostpad, padded_attention
 from workers.batching.engine import MLXEngine
 from workers.batching.prefill import JoiningBatch, PipelinedPrefill
 from workers.cuda import apply_cuda_defaults
@@ -140,7 +141,7 @@ def admitter(args: argparse.Namespace) -> Callable[[], Admit]:
     return admit
 
 
-FLAGS = ("", "mlx", "blocking", "nofuse", "perlayer", "apart", "padjoin")
+FLAGS = ("", "mlx", "blocking", "nofuse", "perlayer", "apart", "padjoin", "mlxchunk")
 """A variant's one flag after its budget (none, or the header's)."""
 
 
@@ -156,6 +157,7 @@ def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
     hostpad.SHARE_HOST_ARRAYS = flag != "perlayer"
     hostpad.SHARE_POSITIONS = flag != "apart"
     hostpad.JOIN_ONCE = flag != "padjoin"
+    padded_attention.GROUPED = flag != "mlxchunk"
     pad = getattr(args, "prefill_pad", "auto")  # kernel_trace.py's arguments have none
     return MLXEngine(
         model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,

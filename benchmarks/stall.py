@@ -18,7 +18,8 @@ right-pads every prefill pass and rolls its caches (as mlx-lm does), even a firs
 makes each layer's cache its own arrays from host values (as mlx-lm does), `:apart` moves each
 layer's positions on its own (as mlx-lm does, `hostpad.SHARE_POSITIONS`), `:padjoin` joins rows by
 padding each side and concatenating (as mlx-lm does, `hostpad.JOIN_ONCE`), `:mlxattn` keeps MLX's
-masked attention for padded decode rows on CUDA (`padded_attention.ENABLED`), `:nogc` turns
+masked attention for padded decode rows on CUDA (`padded_attention.ENABLED`), `:mlxchunk` MLX's
+own products for prompt chunks' attention (`padded_attention.GROUPED`), `:nogc` turns
 Python's garbage collector off for the timed run (every run reports the collector's pauses);
 `:key=value` sets any `[worker]` setting (`0:prefill_batch=4:prefill_pack=false`):
 
@@ -49,13 +50,13 @@ from workers.batching.prefill import PipelinedPrefill
 
 PEER = "mlx_lm.server"
 FLAGS = ("keepcache", "queued", "blocking", "mlxpad", "gatherfilter", "rollpad", "perlayer", "apart",
-         "padjoin", "mlxattn", "nogc")
+         "padjoin", "mlxattn", "mlxchunk", "nogc")
 """Variant flags: MLX's clear_cache a no-op; prefill chunks queued or blocking; mlx-lm's own
 batch-cache filter (it reads the rows' padding from the device) instead of ours; ours copying the
 rows that stay by gather rather than by runs; every pass right-padded and rolled; an array from
 host values per layer rather than one per call; each layer's positions moved on its own; joins
-padded side by side and concatenated; MLX's masked attention for padded decode rows;
-Python's cyclic garbage collector off during the timed run."""
+padded side by side and concatenated; MLX's masked attention for padded decode rows; MLX's own
+products for prompt chunks' attention; Python's cyclic garbage collector off during the timed run."""
 
 
 class GCPauses:
@@ -297,6 +298,7 @@ def compare(args: argparse.Namespace) -> None:
             hostpad.SHARE_POSITIONS = "apart" not in flags
             hostpad.JOIN_ONCE = "padjoin" not in flags
             padded_attention.ENABLED = "mlxattn" not in flags
+            padded_attention.GROUPED = "mlxchunk" not in flags
             PipelinedPrefill._fresh = rollpad if "rollpad" in flags else fresh  # type: ignore[method-assign]
             try:
                 if variant == PEER:
@@ -309,7 +311,7 @@ def compare(args: argparse.Namespace) -> None:
                 hostpad.ENABLED = True
                 hostpad.COPY_RUNS = True
                 hostpad.SHARE_HOST_ARRAYS = True
-                padded_attention.ENABLED = True
+                padded_attention.ENABLED = padded_attention.GROUPED = True
                 PipelinedPrefill._fresh = fresh  # type: ignore[method-assign]
             traces.setdefault(variant, result.pop("itl_trace"))
             runs[variant].append(result)

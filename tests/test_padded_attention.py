@@ -159,3 +159,58 @@ def test_the_padding_mask_is_the_one_mlx_lms_batch_cache_makes() -> None:
     _q, keys, _values, c, mask = decode(HostPaddedKVCache)
     mine = padded_attention.padding_mask(c.left_padding, keys.shape[2])
     assert mine.shape == mask.shape and mx.array_equal(mine, mask).item()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (14, 2), (32, 8), (4, 4)])
+def test_a_chunks_grouped_attention_is_mlxs_masked_attention(heads: int, kv_heads: int) -> None:
+    """A chunk of 5 queries a row after 4 held positions, rows left-padded by 3 and 0, the keys
+    a view of a cache buffer with room to spare, the mask mlx-lm's batch cache makes."""
+    rng = mx.random.split(mx.random.key(heads * 10 + kv_heads), 5)
+    c: Any = BatchKVCache([3, 0])
+    c.update_and_fetch(mx.random.normal((2, kv_heads, 4, 64), key=rng[0]),
+                       mx.random.normal((2, kv_heads, 4, 64), key=rng[1]))
+    mask = c.make_mask(5)
+    keys, values = c.update_and_fetch(mx.random.normal((2, kv_heads, 5, 64), key=rng[2]),
+                                      mx.random.normal((2, kv_heads, 5, 64), key=rng[3]))
+    assert keys.shape[2] == 9 and c.keys.shape[2] > 9  # a view of a longer buffer
+    assert mx.array_equal(mask, padded_attention.chunk_mask([3, 0], 5, 9)).item()
+    q = mx.random.normal((2, heads, 5, 64), key=rng[4])
+    assert padded_attention.chunk_usable(q, keys, mask)
+    for dtype, tolerance in ((mx.float32, 1e-5), (mx.bfloat16, padded_attention.TOLERANCE)):
+        args = (q.astype(dtype), keys.astype(dtype), values.astype(dtype))
+        want = mx.fast.scaled_dot_product_attention(*args, scale=0.125, mask=mask)
+        got = padded_attention.grouped_chunk(*args, 0.125, mask)
+        assert got.shape == want.shape and got.dtype == dtype
+        assert mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item() < tolerance
+    assert padded_attention.chunk_check(heads, kv_heads, 64) == ""
+
+
+def test_once_installed_a_chunks_attention_takes_the_grouped_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(padded_attention, "_installed", True)  # as after `install` on CUDA
+    q, keys, values, c, mask = decode(HostPaddedKVCache, length=3, dtype=mx.float32)
+    q = mx.random.normal(q.shape, key=mx.random.key(3))
+    got = padded_attention.attention(q, keys, values, cache=c, scale=0.125, mask=mask)
+    assert mx.array_equal(got, padded_attention.grouped_chunk(q, keys, values, 0.125, mask)).item()
+    mlx = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask=mask)
+    assert mx.allclose(got, mlx, atol=1e-5).item()  # the same values, by other products
+    monkeypatch.setattr(padded_attention, "GROUPED", False)  # the benchmarks' switch: MLX's path
+    off = padded_attention.attention(q, keys, values, cache=c, scale=0.125, mask=mask)
+    assert mx.array_equal(off, mlx).item()
+    monkeypatch.setattr(padded_attention, "GROUPED", True)
+    # not a chunk, or a mask it does not read: MLX's path
+    assert not padded_attention.chunk_usable(q[:, :, :1], keys, mask[:, :, :1])
+    assert not padded_attention.chunk_usable(q, keys, "causal")
+    assert not padded_attention.chunk_usable(q, keys, mask.astype(mx.float32))
+    assert not padded_attention.chunk_usable(q[:, :3], keys, mask)  # 3 heads over 2: not whole groups
+
+
+@pytest.mark.usefixtures("cuda")
+def test_a_chunk_check_that_fails_leaves_chunks_to_mlx_and_the_decode_kernel_installed(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(padded_attention, "GROUPED", True)
+    monkeypatch.setattr(padded_attention, "chunk_check", lambda *layout: "differed by 0.5")
+    assert padded_attention.install(model(64)) == ""
+    assert padded_attention._installed and not padded_attention.GROUPED
+    q, keys, values, c, mask = decode(HostPaddedKVCache, length=3, dtype=mx.float32)
+    assert not padded_attention.chunk_usable(q, keys, mask)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.scripts import load_script
-from workers.batching import hostpad
+from workers.batching import hostpad, padded_attention
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "prefill_phases.py"
 
@@ -36,3 +36,19 @@ def test_an_unknown_or_second_flag_is_an_error(tiny_model: Any) -> None:
     for variant in ("512:apart:padjoin", "512:nosuch"):
         with pytest.raises(SystemExit, match="unknown variant flag"):
             phases.engine_for(tiny_model, _args(), variant)
+
+
+def test_a_budget_of_448x4_plans_one_step_in_four_and_mlxchunk_keeps_mlxs_chunk_products(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    phases = load_script(SCRIPT, "prefill_phases_script")
+    monkeypatch.setattr(padded_attention, "GROUPED", True)  # restored after the test
+    args = _args()
+    args.prefill_pad = "64"  # the CPU replaying CUDA's padded passes
+    engine = phases.engine_for(tiny_model, args, "448x4:mlxchunk")
+    engine.close()
+    assert (engine.prefill_every, engine._budget.tokens(), engine.prefill_pad) == (4, 448, 64)
+    assert padded_attention.GROUPED is False
+    engine = phases.engine_for(tiny_model, _args(), "auto")
+    engine.close()
+    assert engine.prefill_every == 1 and padded_attention.GROUPED is True  # "auto" on the CPU

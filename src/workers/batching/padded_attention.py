@@ -12,6 +12,10 @@ row and key-value head, a warp per 32 positions at a time, a lane per position f
 
 It serves the decode batches of our engine only (`HostPaddedKVCache`, whose mask is exactly its
 left padding): a plain mlx-lm batch, as a benchmark's bare loop runs it, keeps MLX's own path.
+
+A prompt chunk's attention (several queries a row) keeps MLX's masked path, with its products
+arranged so that neither broadcasts the keys and values over the query heads that share them
+(`grouped_chunk`): on CUDA a product over a broadcast batch first builds an array of pointers.
 """
 
 from __future__ import annotations
@@ -21,14 +25,18 @@ import sys
 from typing import Any, cast
 
 import mlx.core as mx
+import structlog
 from mlx_lm.models import base
 
 from workers.batching.hostpad import HostPaddedKVCache
 from workers.batching.hostpad import unavailable as host_padding_unavailable
 from workers.loading.dtypes import on_cuda
 
+log = structlog.get_logger("workers")
 ENABLED = True
 """False keeps MLX's own masked attention everywhere (a switch for benchmarks)."""
+GROUPED = True
+"""False keeps MLX's masked attention for prompt chunks (a switch for benchmarks; see `grouped_chunk`)."""
 _installed = False  # `install` ran on the CUDA backend
 MLX_ATTENTION = base.scaled_dot_product_attention
 HEAD_DIMS = (64, 128)
@@ -211,10 +219,42 @@ def grouped(heads: int, kv_heads: int, dim: int) -> bool:
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
               mask: Any, sinks: Any = None) -> mx.array:
-    """mlx-lm's `scaled_dot_product_attention`, through `padded_decode` where it is `usable`."""
+    """mlx-lm's `scaled_dot_product_attention`, through `padded_decode` where it is `usable` and
+    `grouped_chunk` where that is (`chunk_usable`)."""
     if sinks is None and usable(queries, keys, cache, mask):
         return padded_decode(queries, keys, values, cache.left_padding, scale)
+    if sinks is None and _installed and chunk_usable(queries, keys, mask):
+        return grouped_chunk(queries, keys, values, scale, mask)
     out: mx.array = MLX_ATTENTION(queries, keys, values, cache, scale, mask, sinks)
+    return out
+
+
+def chunk_usable(q: mx.array, keys: mx.array, mask: Any) -> bool:
+    """Whether `grouped_chunk` computes what MLX's attention with `mask` would: several queries a
+    row, a boolean mask of one head, whole groups of query heads a key-value head."""
+    return (GROUPED and q.ndim == 4 and q.shape[2] > 1 and isinstance(mask, mx.array)
+            and mask.dtype == mx.bool_ and mask.ndim == 4 and mask.shape[1] == 1
+            and keys.shape[1] > 0 and q.shape[1] % keys.shape[1] == 0 and keys.shape[-1] == q.shape[-1])
+
+
+def grouped_chunk(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
+    """A prompt chunk's attention (`q`: `(rows, heads, length, D)`; `keys`, `values`: `(rows,
+    kv_heads, positions, D)`; `mask`: `(rows, 1, length, positions)`, True where a query may look)
+    as MLX's masked path on CUDA computes it: the scaled queries' scores, the lowest value where
+    masked, a softmax in float32, the weighted sum. MLX broadcasts each key-value head over the
+    query heads that share it, and a product over a broadcast batch first sets up an array of
+    pointers (two more launches, one a managed-memory set, for each of the two products). Here a
+    key-value head's query heads are one matrix of `heads / kv_heads x length` rows, so both
+    products are plain batched ones."""
+    rows, heads, length, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    scaled = (q * mx.array(scale, dtype=q.dtype)).reshape(rows, kv_heads, group * length, dim)
+    scores = (scaled @ keys.swapaxes(-1, -2)).reshape(rows, kv_heads, group, length, -1)
+    lowest = mx.array(mx.finfo(scores.dtype).min, dtype=scores.dtype)
+    scores = mx.where(mx.expand_dims(mask, 2), scores, lowest)
+    weights = mx.softmax(scores, axis=-1, precise=True).reshape(rows, kv_heads, group * length, -1)
+    out: mx.array = (weights @ values).reshape(rows, heads, length, dim)
     return out
 
 
@@ -258,6 +298,33 @@ def check(heads: int = 4, kv_heads: int = 2, dim: int = 64) -> str:
     return ""
 
 
+def chunk_mask(start: list[int], length: int, positions: int) -> mx.array:
+    """The mask mlx-lm's batch cache gives a chunk of `length` queries at the end of `positions`:
+    each row's positions from `start[row]` on, and none after the query's own."""
+    position = mx.arange(positions)
+    first = mx.array(start)[:, None, None, None]
+    last = (mx.arange(length) + positions - length)[:, None]
+    return (position >= first) & (position <= last)
+
+
+def chunk_check(heads: int, kv_heads: int, dim: int) -> str:
+    """`grouped_chunk` against MLX's masked attention for one head layout ("" when they agree):
+    two rows of a 5-token chunk over 9 positions, one left-padded by 3."""
+    keys = mx.random.split(mx.random.key(1), 3)
+    q, k, v = (mx.random.normal(shape, key=keys[i]).astype(mx.bfloat16) for i, shape in
+               enumerate(((2, heads, 5, dim), (2, kv_heads, 9, dim), (2, kv_heads, 9, dim))))
+    mask = chunk_mask([3, 0], 5, 9)
+    try:
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=dim ** -0.5, mask=mask)
+        got = grouped_chunk(q, k, v, dim ** -0.5, mask)
+        error = cast("float", mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item())
+    except Exception as exc:  # noqa: BLE001 - any failure here means MLX's path
+        return f"the grouped chunk attention did not run here ({type(exc).__name__}: {exc})"
+    if not error < TOLERANCE:
+        return f"the grouped chunk attention differed from MLX's attention by {error:.3g}"
+    return ""
+
+
 def install(model: Any) -> str:
     """Route the attention of `model`'s layers through `attention` ("" when it is; else why not).
     It replaces the name in the modules of the model's attention classes, so it holds for every
@@ -278,6 +345,11 @@ def install(model: Any) -> str:
     failed = check(heads, kv_heads, width)
     if failed:
         return failed
+    global GROUPED
+    chunks_failed = chunk_check(heads, kv_heads, width)
+    if chunks_failed:  # the decode kernel still serves; chunks keep MLX's path
+        GROUPED = False
+        log.warning("grouped_chunk_attention_unavailable", reason=chunks_failed)
     patched = 0
     for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
         module: Any = sys.modules.get(name)
