@@ -243,7 +243,7 @@ def grouped_chunk(q: mx.array, keys: mx.array, values: mx.array, scale: float, m
     as MLX's masked path on CUDA computes it: the scaled queries' scores, the lowest value where
     masked, a softmax in float32, the weighted sum. MLX broadcasts each key-value head over the
     query heads that share it, and a product over a broadcast batch first sets up an array of
-    pointers (two more launches, one a managed-memory set, for each of the two products). Here a
+    pointers on the device (a launch for each product, and a set of managed memory). Here a
     key-value head's query heads are one matrix of `heads / kv_heads x length` rows, so both
     products are plain batched ones."""
     rows, heads, length, dim = q.shape
