@@ -310,7 +310,7 @@ def compare(args: argparse.Namespace) -> None:
                 mx.clear_cache = clear  # type: ignore[assignment]
                 hostpad.ENABLED = True
                 hostpad.COPY_RUNS = True
-                hostpad.SHARE_HOST_ARRAYS = True
+                hostpad.SHARE_HOST_ARRAYS = hostpad.SHARE_POSITIONS = hostpad.JOIN_ONCE = True
                 padded_attention.ENABLED = padded_attention.GROUPED = True
                 PipelinedPrefill._fresh = fresh  # type: ignore[method-assign]
             traces.setdefault(variant, result.pop("itl_trace"))
