@@ -114,10 +114,11 @@ class WorkerSection(_Section):
     latency (stall-free batching). "auto": on CPU, what keeps a full batch fed, spread over steps,
     at most max(64, max_batch) tokens; on a GPU, off. 0 turns the bound off."""
     prefill_every: PositiveInt | Literal["auto"] = "auto"
-    """Under a `step_token_budget`, while others decode, prefill only one step in this many, with
-    that many steps' budget; the steps between only decode. Where a step that carries prefill
-    costs mostly its launches, not its arithmetic (CUDA), fewer and larger chunks cost fewer such
-    steps. "auto": 4 on CUDA, 1 (every step) elsewhere."""
+    """Under a `step_token_budget`, while others decode, prefill plans up to this many steps'
+    budget at once, in whole prompts, and the steps after it only decode for as long as its tokens
+    take at the budget's rate (at most this many less one). Where a step that carries prefill costs
+    mostly its launches, not its arithmetic (CUDA), fewer and larger chunks cost fewer such steps.
+    "auto": 4 on CUDA, 1 (every step) elsewhere."""
     prefill_chunks: Literal["auto", "queued", "blocking"] = "auto"
     """While others decode: "queued" hands each prefill chunk to MLX without waiting for it and
     keeps the allocator's cache; "blocking" waits for each and empties the cache, as mlx-lm does.

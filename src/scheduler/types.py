@@ -126,8 +126,8 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     """Prefill passes' prompts are right-padded to a multiple of this many tokens (`[worker]
     prefill_pad`; "auto": 64 on CUDA, else 0), so that their shapes repeat."""
     prefill_every: int = 1
-    """Under a step token budget, while others decode, prefill runs one step in this many (`[worker]
-    prefill_every`; "auto": 4 on CUDA, else 1)."""
+    """Under a step token budget, while others decode, prefill plans up to this many steps' budget
+    at once, and rests while its tokens take (`[worker] prefill_every`; "auto": 4 on CUDA, else 1)."""
     host_padding: bool = True
     """False when rows that leave the batch wait for the device, as in mlx-lm's own loop (an
     mlx-lm whose batch cache changed; the log says what differs)."""

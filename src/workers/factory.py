@@ -92,7 +92,7 @@ class Loaded(msgspec.Struct, frozen=True):
     prefill_pad: int = 0
     """Prefill passes' prompts are right-padded to a multiple of this many tokens (0: not)."""
     prefill_every: int = 1
-    """Under a step token budget, while others decode, prefill runs one step in this many."""
+    """Under a step token budget, while others decode, prefill plans up to this many steps' budget."""
     host_padding_unavailable: str = ""
     """Why rows leaving the batch wait for the device, as in mlx-lm ("" when they do not)."""
     precision: Precision = Precision(dtype="")

@@ -55,9 +55,10 @@ class PrefillBudget:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"prefill_every must be an integer >= 1, got {every!r}")
         self._every = every
-        """While rows decode, prefill is planned one step in this many, with that many steps'
-        budget; the steps between only decode (`rests`)."""
+        """While rows decode, a plan takes up to this many steps' budget in whole prompts, and
+        the steps after it only decode while its tokens take at the budget's rate (`rests`)."""
         self._resting = 0
+        """Steps left that only decode after the last plan."""
         self._limit = limit
         self._max_chunk = max_chunk
         self._max_prompts = max_prompts
@@ -90,17 +91,18 @@ class PrefillBudget:
         return min(cap, max(AUTO_MIN_TOKENS, int(demand + backlog)))
 
     def rests(self, *, decoding: int) -> bool:
-        """Whether the next step only decodes: with a bound, while rows decode, prefill is
-        planned one step in `every`. Where a step that carries prefill costs mostly what it
-        launches, not what it computes (a GPU), fewer and larger chunks cost fewer such steps
-        for the same prompt tokens."""
+        """Whether the next step only decodes: with a bound, while rows decode, a plan of up to
+        `every` steps' budget is followed by as many steps that only decode as its tokens take
+        at the budget's rate (at most `every - 1`), so the rate stays within the budget and a
+        plan that could not use it (one long prompt, `max_chunk` a plan) rests less. Where a
+        step that carries prefill costs mostly what it launches, not what it computes (a GPU),
+        fewer and larger chunks cost fewer such steps for the same prompt tokens."""
         if self._every == 1 or decoding == 0 or self._limit == 0:
             self._resting = 0
             return False
         if self._resting:
             self._resting -= 1
             return True
-        self._resting = self._every - 1
         return False
 
     def plan(
@@ -120,7 +122,10 @@ class PrefillBudget:
                 return self._max_chunk, self._max_prompts
             return self._max_chunk, self.packed(chunks, in_prefill + room)
         if self._every > 1:
-            return self._max_chunk, self.fitting(chunks, budget, in_prefill + room)
+            prompts, tokens = self.fitting(chunks, budget, in_prefill + room)
+            rate = max(1, budget // self._every)
+            self._resting = min(self._every - 1, max(0, -(-tokens // rate) - 1))
+            return self._max_chunk, prompts
         cap = max(1, min(self._max_prompts, budget // MIN_CHUNK))
         joining = max(0, min(cap - in_prefill, room, waiting))
         prefilling = max(1, in_prefill + joining)
@@ -129,23 +134,23 @@ class PrefillBudget:
             chunk -= chunk % self._granule
         return chunk, cap
 
-    def fitting(self, chunks: Iterable[int], budget: int, most: int) -> int:
-        """How many prompts one step that plans one step in `every` takes, each whole up to
-        `max_chunk` tokens: as many as fit, in order, while the pass's padded tokens (prompts x
-        the longest chunk) stay within `budget`; at least one, at most `most` (or `max_batch`).
-        Whole prompts finish in the step that carries them and join at the next plan, where
-        equal shares would keep each waiting for several plans, its slot idle."""
+    def fitting(self, chunks: Iterable[int], budget: int, most: int) -> tuple[int, int]:
+        """How many prompts a plan of up to `every` steps' budget takes, each whole up to
+        `max_chunk` tokens, and the pass's padded tokens: as many as fit, in order, while those
+        (prompts x the longest chunk) stay within `budget`; at least one, at most `most` (or
+        `max_batch`). Whole prompts finish in the step that carries them and join at the next
+        plan, where equal shares would keep each waiting for several plans, its slot idle."""
         most = min(most, self._max_batch)
         n = done = longest = 0  # done: prompts whose last token is all that is left (they join)
         for length in chunks:
             if length <= 1:
                 done += 1
                 continue
-            longest = max(longest, min(length, self._max_chunk))
-            if n >= most or (n > 0 and (n + 1) * longest > budget):
+            size = max(longest, min(length, self._max_chunk))
+            if n >= most or (n > 0 and (n + 1) * size > budget):
                 break
-            n += 1
-        return done + max(n, 1)
+            n, longest = n + 1, size
+        return done + max(n, 1), n * longest
 
     def packed(self, chunks: Iterable[int], most: int) -> int:
         """How many prompts one full-speed prefill pass takes: as many as fit, in order, while

@@ -38,7 +38,8 @@ def cadence(setting: int | str, *, cuda: bool) -> int:
     a step that carries a bounded chunk took 2-3 decode steps whatever the chunk's size, nearly
     all of it the host launching kernels, so one such step in four with four steps' budget gave
     a bounded budget 1.12-1.33x the tokens/s, with a lower ITL p50, ITL p99 and TTFT p99, in each
-    of three cells (0.5B and 1B shapes, 32 and 64 streams; docs/stalls.md). On the CPU the
+    of three cells (0.5B and 1B shapes, 32 and 64 streams; docs/stalls.md; measured before plans
+    took whole prompts and rested only as long as their tokens take). On the CPU the
     arithmetic is the cost and the bound holds best with every step alike; Metal is not
     measured."""
     if setting == "auto":

@@ -89,7 +89,7 @@ class MLXEngine:
         self.prefill_pad = pads(prefill_pad, cuda=cuda, plain_kv=self.support.prefix_blocks)
         """Prefill passes' prompts are right-padded to a multiple of this many tokens (0: not)."""
         self.prefill_every = cadence(prefill_every, cuda=cuda)
-        """Under a budget, while rows decode, prefill runs one step in this many."""
+        """Under a budget, while rows decode, prefill plans up to this many steps' budget at once."""
         if step_token_budget == "auto" and gpu:
             # Measured on an H100 (docs/stalls.md): a prefill chunk is a forward pass of its own,
             # as costly on the host as a decode step, so spreading prefill over many steps kept
