@@ -13,13 +13,13 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
 from workers.batching.budget import PrefillBudget
-from workers.batching.cachekinds import cache_support, trimmable
+from workers.batching.cachekinds import cache_support
 from workers.batching.choices import cadence, fuses, pads
 from workers.batching.contract import StepResult
 from workers.batching.fused import unfusable
 from workers.batching.grammar import GrammarRows
 from workers.batching.hostpad import forget_host_ints
-from workers.batching.kvstore import KVStore, LayerKV, common_prefix
+from workers.batching.kvstore import KVStore, LayerKV
 from workers.batching.logits import Wanted, processors
 from workers.batching.maskfree import MaskFreeDecode
 from workers.batching.mlxlm import (
@@ -155,30 +155,11 @@ class MLXEngine:
 
     def _start(self, admit: Admit) -> tuple[list[int], Any, list[int]]:
         """(prompt left to prefill, starting cache or None, tokens that cache holds)."""
-        prompt = list(admit.prompt)
-        store = self._store
-        if store is None:
-            return prompt, None, []
-        if admit.resume and admit.session is not None:
-            kept = store.take_session(admit.session)
-            if kept is not None:
-                cache, tokens = kept
-                # Keep what the new prompt shares with the session; at least one token to feed.
-                n = min(common_prefix(tokens, prompt), len(prompt) - 1)
-                cut = len(tokens) - n
-                if n > 0 and trimmable(cache, cut):
-                    for c in cache if cut else ():  # recurrent caches have no trim() at all
-                        c.trim(cut)
-                    return prompt[n:], cache, prompt[:n]
-            # A rotated window or a recurrent state cannot forget tokens, the prompt shares none,
-            # or the last turn's KV was not kept: this turn prefills cold.
-            self._fallbacks += 1
-        if admit.prefix and self.support.prefix_blocks:
-            blocks, built = store.prefix_cache(admit.prefix)
-            n = blocks * store.block_tokens
-            if built is not None and n < len(prompt):
-                return prompt[n:], built, prompt[:n]
-        return prompt, None, []
+        if self._store is None:
+            return list(admit.prompt), None, []
+        rest, cache, tokens, cold = self._store.start(admit, prefix_blocks=self.support.prefix_blocks)
+        self._fallbacks += cold
+        return rest, cache, tokens
 
     def insert(self, admits: Sequence[Admit]) -> None:
         if not admits:

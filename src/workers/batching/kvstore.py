@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from workers.batching.cachekinds import cache_arrays
+from workers.batching.cachekinds import cache_arrays, trimmable
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from workers.messages import Key
+    from workers.messages import Admit, Key
 
 LayerKV = tuple[mx.array, mx.array]
 
@@ -67,6 +67,34 @@ class KVStore:
 
     def __len__(self) -> int:
         return len(self._blocks) + len(self._sessions)
+
+    def start(self, admit: Admit, *, prefix_blocks: bool) -> tuple[list[int], Any, list[int], bool]:
+        """Where `admit` starts: (prompt left to prefill, starting cache or None, tokens that
+        cache holds, whether a session turn had to prefill cold). A resumed session continues
+        its kept KV where the new prompt shares it; else cached prefix blocks (`prefix_blocks`:
+        the model's caches can take them) serve what they hold."""
+        prompt = list(admit.prompt)
+        cold = False
+        if admit.resume and admit.session is not None:
+            kept = self.take_session(admit.session)
+            if kept is not None:
+                cache, tokens = kept
+                # Keep what the new prompt shares with the session; at least one token to feed.
+                n = min(common_prefix(tokens, prompt), len(prompt) - 1)
+                cut = len(tokens) - n
+                if n > 0 and trimmable(cache, cut):
+                    for c in cache if cut else ():  # recurrent caches have no trim() at all
+                        c.trim(cut)
+                    return prompt[n:], cache, prompt[:n], False
+            # A rotated window or a recurrent state cannot forget tokens, the prompt shares none,
+            # or the last turn's KV was not kept: this turn prefills cold.
+            cold = True
+        if admit.prefix and prefix_blocks:
+            blocks, built = self.prefix_cache(admit.prefix)
+            n = blocks * self.block_tokens
+            if built is not None and n < len(prompt):
+                return prompt[n:], built, prompt[:n], cold
+        return prompt, None, [], cold
 
     def prefix_cache(self, keys: Sequence[int]) -> tuple[int, list[Any] | None]:
         """A fresh `KVCache` per layer holding the longest stored chain of `keys` (and how many
