@@ -193,8 +193,6 @@ def means(per_step: dict[int, dict[str, Any]], idx: list[int], top: int) -> list
 def sequence(order: dict[int, list[tuple[int, str]]], kernels: dict[int, int], idx: list[int]) -> list[str]:
     """The kernels of the step among `idx` with the median count, in the order they were launched
     (a step's graph runs layer by layer, so each layer's pattern shows)."""
-    if not idx:
-        return []
     median = sorted(idx, key=lambda i: kernels[i])[len(idx) // 2]
     return [name for _, name in sorted(order[median])]
 

@@ -9,7 +9,7 @@ for an array from host values made per layer, not once per call, `hostpad.SHARE_
 `:apart` for each layer's positions moved on their own, as mlx-lm does, `hostpad.SHARE_POSITIONS`;
 `:padjoin` for joins that pad each side and concatenate, as mlx-lm's do, `hostpad.JOIN_ONCE`;
 `:mlxchunk` for MLX's own products in prompt chunks' attention, `padded_attention.GROUPED`;
-a budget `448x4` plans prefill one step in 4, with 4 steps' budget, `[worker] prefill_every`)
+a budget `448x4` plans up to 4 steps' budget at once, `[worker] prefill_every`)
 runs side by side, `--repeat` times in rotating order. Clocks wrap mlx-lm's phases:
 
 - decode: `GenerationBatch.next` (the decode step, with its wait for the previous one);
@@ -146,9 +146,9 @@ FLAGS = ("", "mlx", "blocking", "nofuse", "perlayer", "apart", "padjoin", "mlxch
 
 
 def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
-    """Our engine for a variant: a budget, with `:mlx`, `:blocking`, `:nofuse`, `:perlayer`,
-    `:apart` or `:padjoin` (the header). The last three are process-wide: they hold until the next
-    variant's engine."""
+    """Our engine for a variant: a budget (`448x4`: with `prefill_every`), with `:mlx`,
+    `:blocking`, `:nofuse`, `:perlayer`, `:apart`, `:padjoin` or `:mlxchunk` (the header). The last
+    four are process-wide: they hold until the next variant's engine."""
     budget_text, _, flag = variant.partition(":")
     if flag not in FLAGS:
         raise SystemExit(f"unknown variant flag {flag!r} in {variant!r} (one a variant): known {FLAGS[1:]}")
