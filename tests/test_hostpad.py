@@ -119,6 +119,7 @@ def test_a_join_with_a_side_that_holds_nothing_yet_makes_what_mlx_lms_extend_mak
     theirs.extend(empty_t if holding == "first" else full_t)
     made.clear()
     ours.extend(empty_o if holding == "first" else full_o)
+    assert ours.keys is not None and ours.values is not None  # rows that hold nothing join when read
     made_by_ours = list(made)
     same(theirs, ours)
     assert mx.array_equal(theirs.keys, ours.keys).item() and mx.array_equal(theirs.values, ours.values).item()
@@ -126,6 +127,55 @@ def test_a_join_with_a_side_that_holds_nothing_yet_makes_what_mlx_lms_extend_mak
     # one zeroed array each for the keys and the values, no empty ones padded and concatenated
     rows = (5, 2, 256, 4)
     assert made_by_ours == [rows, rows]
+
+
+def test_rows_that_stay_holding_nothing_keep_no_buffer_so_their_first_chunk_pads_left() -> None:
+    """A prompt batch: two prefilled prompts leave to join while two new ones stay."""
+    theirs, ours = twin([0, 0], steps=5, seed=8)
+    new_t, new_o = empty([0, 0])
+    theirs.extend(new_t)
+    ours.extend(new_o)
+    theirs.filter([2, 3])
+    ours.filter([2, 3])
+    assert theirs.keys is not None and theirs._idx == 0  # mlx-lm keeps a buffer of nothing
+    assert ours.keys is None and ours.values is None and ours._idx == 0
+    assert ours.padding() == [0, 0] and ours.offset.tolist() == theirs.offset.tolist() == [0, 0]
+    with pytest.raises(ValueError, match="empty"):
+        theirs.prepare(left_padding=[1, 0])  # so mlx-lm's next chunk is right-padded and rolled
+    ours.prepare(left_padding=[1, 0])
+    kv = mx.random.normal((2, 2, 3, 4), key=mx.random.key(9))
+    ours.update_and_fetch(kv, kv)
+    fresh: Any = BatchKVCache([1, 0])
+    fresh.update_and_fetch(kv, kv)
+    same(fresh, ours)
+
+
+@pytest.mark.parametrize("stay", ["held", "empty", "both"])
+def test_rows_that_join_holding_nothing_are_copied_only_if_they_stay_beside_held_ones(
+    stay: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[tuple[int, ...]] = []
+    zeros = mx.zeros
+    monkeypatch.setattr(hostpad.mx, "zeros", lambda shape, *a, **k: made.append(tuple(shape)) or zeros(shape, *a, **k))
+    theirs, ours = twin([1, 0, 2], steps=6, seed=11)
+    new_t, new_o = empty([0, 0])
+    theirs.extend(new_t)
+    made.clear()
+    ours.extend(new_o)
+    assert made == [] and ours.padding() == theirs.left_padding.tolist() == [1, 0, 2, 6, 6]
+    keep = {"held": [0, 2], "empty": [3, 4], "both": [1, 3]}[stay]
+    theirs.filter(keep)
+    made.clear()
+    ours.filter(keep)
+    assert ours.padding() == theirs.left_padding.tolist()
+    assert ours.offset.tolist() == theirs.offset.tolist() and ours._idx == theirs._idx
+    if stay == "empty":
+        assert ours.keys is None and ours._idx == 0 and made == []
+        return
+    assert made == ([] if stay == "held" else [(5, 2, 256, 4)] * 2)  # joined only to keep both
+    k1, v1 = theirs.keys_and_values()
+    k2, v2 = ours.keys_and_values()
+    assert mx.array_equal(k1, k2).item() and mx.array_equal(v1, v2).item()
 
 
 def test_after_a_filter_the_padding_is_known_without_reading_the_device() -> None:
@@ -272,7 +322,7 @@ async def test_a_changed_batch_cache_is_said_once_in_the_log_and_in_stats(
 ) -> None:
     from tests.test_metrics import served_once, value
 
-    monkeypatch.setattr(hostpad, "_mismatch", lambda: "BatchKVCache.filter moved the rows' padding")
+    monkeypatch.setattr(hostpad, "mismatch", lambda swap: "BatchKVCache.filter moved the rows' padding")
     tokens, stats, samples, logs = await served_once(model_cache)
     assert tokens == 4  # served all the same
     assert stats.host_padding is False

@@ -50,6 +50,8 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from workers.batching.hostcheck import mismatch
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -136,14 +138,45 @@ def share(caches: Sequence[Any], *, always: bool = False) -> None:
 
 
 class HostPaddedKVCache(BatchKVCache):
-    """mlx-lm's batch KV cache with its rows' left padding also kept on the host."""
+    """mlx-lm's batch KV cache with its rows' left padding also kept on the host.
 
-    keys: Any  # mlx-lm's: None until something is stored
-    values: Any
+    Rows that join holding nothing (prompts about to start) join the arrays only when something
+    reads them (`keys`, `values`): in a prompt batch the rows that held something (prompts whose
+    prefill is done) usually leave first, to decode, and the join would have copied them into a
+    new buffer only to copy them out again."""
+
     _host: tuple[mx.array, list[int]] | None = None
     _right: list[int] | None = None
     reads = 0
     """How often any such cache had to read its padding back (tests hold it at 0)."""
+
+    @property
+    def keys(self) -> Any:  # mlx-lm's: None until something is stored
+        if self.__dict__.get("_empty_rows"):
+            self._join_empty_rows()
+        return self.__dict__.get("keys")
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        self.__dict__["keys"] = value
+
+    @property
+    def values(self) -> Any:
+        if self.__dict__.get("_empty_rows"):
+            self._join_empty_rows()
+        return self.__dict__.get("values")
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        self.__dict__["values"] = value
+
+    def _join_empty_rows(self) -> None:
+        """The rows that joined holding nothing, now in the arrays (zeros, all padding)."""
+        held = self.__dict__
+        n = held.pop("_empty_rows")
+        keys, values = held["keys"], held["values"]
+        held["keys"] = joined(keys, None, 0, 0, (keys.shape[0], n))
+        held["values"] = joined(values, None, 0, 0, (values.shape[0], n))
 
     def known_padding(self) -> list[int] | None:
         """Each row's left padding if the host knows it (None: the array is not one it mirrors)."""
@@ -197,6 +230,13 @@ class HostPaddedKVCache(BatchKVCache):
         else:  # as BatchKVCache.extend: both right-justified to the longer one
             top = max(self._idx, other._idx)
             shift_mine, shift_theirs = top - self._idx, top - other._idx
+        held = self.__dict__
+        if (JOIN_ONCE and theirs is not None and held.get("keys") is not None and other.keys is None
+                and other._idx == 0 and not any(theirs)):
+            held["_empty_rows"] = held.get("_empty_rows", 0) + len(theirs)  # joined when read
+            self.offset = mx.concatenate([self.offset, other.offset])
+            self._set_padding(mine + [self._idx] * len(theirs))
+            return
         if JOIN_ONCE and theirs is not None and (self.keys is not None or other.keys is not None):
             rows = (len(mine), len(theirs))  # a side that holds nothing yet joins as zeros
             self.keys, self.values = (joined(self.keys, other.keys, shift_mine, shift_theirs, rows),
@@ -218,9 +258,20 @@ class HostPaddedKVCache(BatchKVCache):
             return
         keep = list(batch_indices)
         padding = self.padding()
+        empty = self.__dict__.get("_empty_rows", 0)
+        if empty and all(i < len(padding) - empty for i in keep):
+            del self.__dict__["_empty_rows"]  # the rows that joined holding nothing all leave
+        elif empty and all(i >= len(padding) - empty for i in keep):
+            del self.__dict__["_empty_rows"]  # only they stay: nothing held, nothing to copy
+            self.keys = self.values = None
         kept = [padding[i] for i in keep]
         shift = min(kept, default=0)  # the padding every row shares goes
-        if self.keys is not None:
+        if self.keys is not None and self._idx == shift:
+            # The rows that stay hold nothing (prompts that have not started, beside ones that
+            # left to join): no buffer, so that their first chunk is padded on the left and
+            # written without growing one, not right-padded, grown and rolled.
+            self.keys = self.values = None
+        elif self.keys is not None:
             self.keys = kept_rows(self.keys, keep, shift)
             self.values = kept_rows(self.values, keep, shift)
         self.offset = self.offset[host_ints(keep)]
@@ -309,53 +360,7 @@ def unavailable() -> str:
     global _problem
     if _problem is None:
         try:
-            _problem = _mismatch() or ""
+            _problem = mismatch(_swap) or ""
         except Exception as exc:  # a changed signature or attribute
             _problem = f"{type(exc).__name__}: {exc}"
     return _problem
-
-
-def _mismatch() -> str | None:
-    def twin(padding: list[int], steps: int) -> tuple[Any, Any]:
-        pair: list[Any] = [BatchKVCache(padding), BatchKVCache(padding)]
-        for _ in range(steps):
-            kv = mx.ones((len(padding), 1, 1, 2))
-            for c in pair:
-                c.update_and_fetch(kv, kv)
-        _swap(pair[1:], padding)
-        return pair[0], pair[1]
-
-    def differs(what: str, theirs: Any, mine: Any) -> str | None:
-        if type(mine) is not HostPaddedKVCache or mine.known_padding() is None:
-            return f"after BatchKVCache.{what}, the padding is no longer known on the host"
-        if mine.padding() != theirs.left_padding.tolist() or mine._idx != theirs._idx:
-            return f"BatchKVCache.{what} moved the rows' padding otherwise than mirrored"
-        if mine.offset.tolist() != theirs.offset.tolist():
-            return f"BatchKVCache.{what} moved the rows' offsets otherwise than mirrored"
-        return None
-
-    theirs, mine = twin([2, 0, 1], 3)
-    their_prompt, my_prompt = twin([0, 0], 0)
-    for c in (their_prompt, my_prompt):  # a chunk of two right-padded prompts, as mlx-lm's prompt
-        c.prepare(lengths=[2, 1], right_padding=[0, 1])
-        kv = mx.arange(8, dtype=mx.float32).reshape(2, 1, 2, 2)  # distinct: the roll shows
-        c.update_and_fetch(kv, kv)
-        c.finalize()
-    problem = differs("prepare/finalize", their_prompt, my_prompt)
-    if not problem and not mx.array_equal(their_prompt.keys, my_prompt.keys).item():
-        problem = "after BatchKVCache.prepare and finalize the keys are not where mlx-lm puts them"
-    their_fresh, my_fresh = twin([0, 0], 0)
-    for c in (their_fresh, my_fresh):  # a first chunk padded on the left, as `PipelinedPrefill`'s
-        c.prepare(left_padding=[1, 0])
-        kv = mx.ones((2, 1, 2, 2))
-        c.update_and_fetch(kv, kv)
-    problem = problem or differs("prepare(left_padding)", their_fresh, my_fresh)
-    theirs.extend(their_prompt)
-    mine.extend(my_prompt)
-    problem = problem or differs("extend", theirs, mine)
-    theirs.filter([0, 3, 4])
-    mine.filter([0, 3, 4])
-    problem = problem or differs("filter", theirs, mine)
-    if not problem and mine.extract(1).keys.shape != theirs.extract(1).keys.shape:
-        problem = "BatchKVCache.extract takes a row from another place"
-    return problem
