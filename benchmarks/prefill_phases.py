@@ -9,6 +9,7 @@ for an array from host values made per layer, not once per call, `hostpad.SHARE_
 `:apart` for each layer's positions moved on their own, as mlx-lm does, `hostpad.SHARE_POSITIONS`;
 `:padjoin` for joins that pad each side and concatenate, as mlx-lm's do, `hostpad.JOIN_ONCE`;
 `:mlxchunk` for MLX's own products in prompt chunks' attention, `padded_attention.GROUPED`;
+`:padded` for a carried chunk's padding through the projections and MLPs, `fused.RAGGED`;
 a budget `448x4` plans up to 4 steps' budget at once, `[worker] prefill_every`)
 runs side by side, `--repeat` times in rotating order. Clocks wrap mlx-lm's phases:
 
@@ -53,7 +54,7 @@ import workers  # noqa: F401
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
-from workers.batching import hostpad, padded_attention
+from workers.batching import fused, hostpad, padded_attention
 from workers.batching.engine import MLXEngine
 from workers.batching.prefill import JoiningBatch, PipelinedPrefill
 from workers.cuda import apply_cuda_defaults
@@ -141,14 +142,14 @@ def admitter(args: argparse.Namespace) -> Callable[[], Admit]:
     return admit
 
 
-FLAGS = ("", "mlx", "blocking", "nofuse", "perlayer", "apart", "padjoin", "mlxchunk")
+FLAGS = ("", "mlx", "blocking", "nofuse", "perlayer", "apart", "padjoin", "mlxchunk", "padded")
 """A variant's one flag after its budget (none, or the header's)."""
 
 
 def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
     """Our engine for a variant: a budget (`448x4`: with `prefill_every`), with `:mlx`,
-    `:blocking`, `:nofuse`, `:perlayer`, `:apart`, `:padjoin` or `:mlxchunk` (the header). The last
-    four are process-wide: they hold until the next variant's engine."""
+    `:blocking`, `:nofuse`, `:perlayer`, `:apart`, `:padjoin`, `:mlxchunk` or `:padded` (the header).
+    The last five are process-wide: they hold until the next variant's engine."""
     budget_text, _, flag = variant.partition(":")
     if flag not in FLAGS:
         raise SystemExit(f"unknown variant flag {flag!r} in {variant!r} (one a variant): known {FLAGS[1:]}")
@@ -158,6 +159,7 @@ def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
     hostpad.SHARE_POSITIONS = flag != "apart"
     hostpad.JOIN_ONCE = flag != "padjoin"
     padded_attention.GROUPED = flag != "mlxchunk"
+    fused.RAGGED = flag != "padded"
     pad = getattr(args, "prefill_pad", "auto")  # kernel_trace.py's arguments have none
     return MLXEngine(
         model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,

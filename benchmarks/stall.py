@@ -19,7 +19,8 @@ makes each layer's cache its own arrays from host values (as mlx-lm does), `:apa
 layer's positions on its own (as mlx-lm does, `hostpad.SHARE_POSITIONS`), `:padjoin` joins rows by
 padding each side and concatenating (as mlx-lm does, `hostpad.JOIN_ONCE`), `:mlxattn` keeps MLX's
 masked attention for padded decode rows on CUDA (`padded_attention.ENABLED`), `:mlxchunk` MLX's
-own products for prompt chunks' attention (`padded_attention.GROUPED`), `:nogc` turns
+own products for prompt chunks' attention (`padded_attention.GROUPED`), `:padded` runs a carried
+chunk's padding through the projections and MLPs (`fused.RAGGED`), `:nogc` turns
 Python's garbage collector off for the timed run (every run reports the collector's pauses);
 `:key=value` sets any `[worker]` setting (`0:prefill_batch=4:prefill_pack=false`):
 
@@ -45,12 +46,12 @@ import anyio
 
 from metrics import configure_logging, summarize
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
-from workers.batching import hostpad, padded_attention
+from workers.batching import fused, hostpad, padded_attention
 from workers.batching.prefill import PipelinedPrefill
 
 PEER = "mlx_lm.server"
 FLAGS = ("keepcache", "queued", "blocking", "mlxpad", "gatherfilter", "rollpad", "perlayer", "apart",
-         "padjoin", "mlxattn", "mlxchunk", "nogc")
+         "padjoin", "mlxattn", "mlxchunk", "padded", "nogc")
 """Variant flags: MLX's clear_cache a no-op; prefill chunks queued or blocking; mlx-lm's own
 batch-cache filter (it reads the rows' padding from the device) instead of ours; ours copying the
 rows that stay by gather rather than by runs; every pass right-padded and rolled; an array from
@@ -299,6 +300,7 @@ def compare(args: argparse.Namespace) -> None:
             hostpad.JOIN_ONCE = "padjoin" not in flags
             padded_attention.ENABLED = "mlxattn" not in flags
             padded_attention.GROUPED = "mlxchunk" not in flags
+            fused.RAGGED = "padded" not in flags
             PipelinedPrefill._fresh = rollpad if "rollpad" in flags else fresh  # type: ignore[method-assign]
             try:
                 if variant == PEER:
@@ -311,7 +313,7 @@ def compare(args: argparse.Namespace) -> None:
                 hostpad.ENABLED = True
                 hostpad.COPY_RUNS = True
                 hostpad.SHARE_HOST_ARRAYS = hostpad.SHARE_POSITIONS = hostpad.JOIN_ONCE = True
-                padded_attention.ENABLED = padded_attention.GROUPED = True
+                padded_attention.ENABLED = padded_attention.GROUPED = fused.RAGGED = True
                 PipelinedPrefill._fresh = fresh  # type: ignore[method-assign]
             traces.setdefault(variant, result.pop("itl_trace"))
             runs[variant].append(result)

@@ -445,3 +445,29 @@ def test_a_first_pass_padded_on_the_left_gives_the_tokens_of_right_padding_and_i
     assert lefts > 0 and kinds.count("left") == 0 and kinds.count("right") > 0
     assert left == right
     assert [len(left[a.rid]) for a in admits] == [a.max_tokens for a in admits]
+
+
+def test_plans_of_whole_prompts_ride_without_their_padding_and_give_the_same_tokens(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layouts: list[bool] = []
+    fused_call = fused.forward
+
+    def seen(*args: Any, **kwargs: Any) -> Any:
+        layouts.append(args[6] is not None if len(args) > 6 else kwargs.get("layout") is not None)
+        return fused_call(*args, **kwargs)
+
+    monkeypatch.setattr(fused, "forward", seen)
+    admits = workload(16, seed=2)
+
+    def planned() -> MLXEngine:
+        return MLXEngine(tiny_model, vocab_size=256, max_batch=6, prefill_batch=4, prefill_step=64,
+                         step_token_budget=48, prefill_every=4)
+
+    ragged = run(planned(), admits)
+    assert sum(layouts) >= 3  # plans of prompts of unlike length went ragged
+    carried = len(layouts)
+    monkeypatch.setattr(fused, "RAGGED", False)
+    assert run(planned(), admits) == ragged
+    assert not any(layouts[carried:]) and len(layouts) > carried
+    assert ragged == run(engine(tiny_model, True, budget=48, fuse=False), admits)

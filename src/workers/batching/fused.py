@@ -15,10 +15,11 @@ MLP, each with a residual. A test checks the fused pass against the two passes a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import BatchKVCache
 
 from workers.batching.padded_attention import attention
 
@@ -49,6 +50,62 @@ def unfusable(model: Any) -> str:
     return ""
 
 
+RAGGED = True
+"""False runs a padded chunk's padding through the projections and MLPs as well (a switch for
+benchmarks; see `Ragged`)."""
+RAGGED_MIN_SHARE = 0.125
+"""A chunk goes ragged when at least this share of its padded tokens is padding: each layer
+then gathers its queries, keys and values into the padded layout and its output back out, three
+launches more than the padded pass."""
+
+
+class Ragged(NamedTuple):
+    """A padded chunk's real tokens, for a pass whose projections and MLPs skip its padding.
+
+    The prompts of a chunk are padded to the longest (and on CUDA to a multiple of 64), and the
+    padding went through every projection and MLP like a real token: in a closed loop of prompts
+    of 64-512 tokens a carried chunk was about 37% padding (`prefill_phases.py` replay). Here the
+    pass holds only the real tokens; each layer's attention alone sees the padded layout, which
+    it needs for the prompt caches, through a gather whose padding positions repeat a real
+    token of their prompt (finite, and masked like any padding)."""
+
+    tokens: mx.array
+    """`(R,)`: the real tokens, prompt after prompt."""
+    spread: mx.array
+    """`(prompts * length,)`: for each position of the padded chunk, the real token that fills it."""
+    rows: list[int]
+    """Each real token's prompt."""
+    cols: list[int]
+    """Each real token's position in its prompt's padded row."""
+
+    def outputs(self, extra: int) -> tuple[mx.array, mx.array]:
+        """Where the attention's outputs for the real tokens lie in the padded layout, then
+        `extra` more (any: they fill the rows that round the pass up, which nothing reads), so
+        that one gather makes every row before the decode rows'."""
+        tail = [0] * extra
+        return mx.array(self.rows + tail, dtype=mx.int32), mx.array(self.cols + tail, dtype=mx.int32)
+
+
+def ragged(tokens: list[list[int]], length: int, *, left: bool) -> Ragged | None:
+    """The layout of `tokens` padded to `length` (on the left, else the right), or None when
+    too little of it is padding to be worth the gathers (`RAGGED_MIN_SHARE`)."""
+    real = sum(len(t) for t in tokens)
+    if not RAGGED or (len(tokens) * length - real) < RAGGED_MIN_SHARE * len(tokens) * length:
+        return None
+    flat: list[int] = []
+    spread: list[int] = []
+    rows: list[int] = []
+    cols: list[int] = []
+    for p, prompt in enumerate(tokens):
+        n, first = len(prompt), len(flat)
+        start = length - n if left else 0
+        spread += [first] * start + list(range(first, first + n)) + [first] * (length - start - n)
+        flat += prompt
+        rows += [p] * n
+        cols += range(start, start + n)
+    return Ragged(mx.array(flat, dtype=mx.int32), mx.array(spread, dtype=mx.int32), rows, cols)
+
+
 def _heads(t: mx.array, rows: int, length: int, n: int, norm: Any = None) -> mx.array:
     t = t.reshape(rows, length, n, -1)
     return (t if norm is None else norm(t)).transpose(0, 2, 1, 3)
@@ -58,57 +115,86 @@ def _store(attn: Any, k: mx.array, v: mx.array, rows: int, length: int, cache: A
     """Rotary positions on `k`; both into `cache`; what it now holds."""
     k = _heads(k, rows, length, attn.n_kv_heads, getattr(attn, "k_norm", None))
     k = attn.rope(k, offset=cache.offset)
-    keys, values = cache.update_and_fetch(k, _heads(v, rows, length, attn.n_kv_heads))
+    v = _heads(v, rows, length, attn.n_kv_heads)
+    if isinstance(cache, BatchKVCache) and cache.keys is None:
+        # A prompt cache that holds nothing yet holds the chunk: mlx-lm's update would zero a
+        # buffer of 256-position steps and copy the chunk in, two more launches each.
+        fresh: Any = cache  # mlx-lm types its arrays as None
+        fresh.keys, fresh.values = k, mx.contiguous(v)
+        fresh.offset = fresh.offset + length
+        fresh._idx = length
+        return k, fresh.values
+    keys, values = cache.update_and_fetch(k, v)
     return keys, values
 
 
 def _attend(attn: Any, q: mx.array, k: mx.array, v: mx.array, rows: int, length: int,
             cache: Any, mask: Any) -> mx.array:
+    """The attention's output, `(rows, length, heads, dim)` (a view)."""
     q = _heads(q, rows, length, attn.n_heads, getattr(attn, "q_norm", None))
     q = attn.rope(q, offset=cache.offset)
     keys, values = _store(attn, k, v, rows, length, cache)
-    out = attention(q, keys, values, cache=cache, scale=attn.scale, mask=mask)
-    return out.transpose(0, 2, 1, 3).reshape(rows * length, -1)
+    out: mx.array = attention(q, keys, values, cache=cache, scale=attn.scale, mask=mask)
+    return out.transpose(0, 2, 1, 3)
 
 
 def forward(model: Any, inputs: mx.array, caches: list[Any], chunk: mx.array,
-            chunk_caches: list[Any], pad_rows: int = 0) -> mx.array:
+            chunk_caches: list[Any], pad_rows: int = 0, layout: Ragged | None = None) -> mx.array:
     """The decode rows' logits, `(rows, 1, vocab)`, as `model(inputs, cache=caches)` gives them;
     the chunk's keys and values land in `chunk_caches`, as `model(chunk, cache=chunk_caches)`
-    would leave them. `inputs`: `(rows, 1)` tokens; `chunk`: `(prompts, length)` tokens.
-    `pad_rows`: the projections and MLPs run on a multiple of this many rows (zero rows added, read
-    by nothing), so that their matrix products repeat a few shapes."""
+    would leave them (where `layout` is given, its padding positions hold other values: they
+    are masked). `inputs`: `(rows, 1)` tokens; `chunk`: `(prompts, length)` tokens, padded as
+    `layout` says. `pad_rows`: the projections and MLPs run on a multiple of this many rows (zero
+    rows added, read by nothing), so that their matrix products repeat a few shapes."""
     inner = model.model
     rows, (prompts, length) = inputs.shape[0], chunk.shape
-    hd, hc = inner.embed_tokens(inputs), inner.embed_tokens(chunk)
+    hd = inner.embed_tokens(inputs)
     # Before any layer stores this step's keys, as the model's own pass asks.
     decode_mask = create_attention_mask(hd, caches[0])
-    chunk_mask = create_attention_mask(hc, chunk_caches[0])
-    flat = rows + prompts * length
-    extra = (-flat) % pad_rows if pad_rows > 1 else 0
-    parts = [hd.reshape(rows, -1), hc.reshape(prompts * length, -1)]
-    x = mx.concatenate(parts + [mx.zeros((extra, hd.shape[-1]), hd.dtype)] if extra else parts)
+    chunk_mask = create_attention_mask(chunk, chunk_caches[0])
+    real = prompts * length if layout is None else layout.tokens.shape[0]
+    extra = (-(rows + real)) % pad_rows if pad_rows > 1 else 0
+    if layout is None:  # decode rows, the padded chunk, the rows that round the pass up
+        hc = inner.embed_tokens(chunk).reshape(prompts * length, -1)
+        parts, d0, c0 = [hd.reshape(rows, -1), hc], 0, rows
+        if extra:
+            parts.append(mx.zeros((extra, hd.shape[-1]), hd.dtype))
+    else:  # the chunk's real tokens, the rows that round the pass up, the decode rows
+        hc = inner.embed_tokens(layout.tokens)
+        parts = [hc, mx.zeros((extra, hd.shape[-1]), hd.dtype), hd.reshape(rows, -1)] if extra else [
+            hc, hd.reshape(rows, -1)]
+        d0, c0 = real + extra, 0
+        out_rows, out_cols = layout.outputs(extra)
+    x = mx.concatenate(parts)
+
+    def padded(t: mx.array) -> mx.array:
+        """The chunk's part of `t`, in the padded layout."""
+        return t[c0:c0 + real] if layout is None else mx.take(t, layout.spread, axis=0)
+
     last = len(inner.layers) - 1
     blank: mx.array | None = None  # every layer's padding rows of its attention output: one array
     for i, (layer, dc, cc) in enumerate(zip(inner.layers, caches, chunk_caches, strict=True)):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         k, v = attn.k_proj(h), attn.v_proj(h)
+        d = slice(d0, d0 + rows)
         if i < last:
             q = attn.q_proj(h)
-            parts = [
-                _attend(attn, q[:rows], k[:rows], v[:rows], rows, 1, dc, decode_mask),
-                _attend(attn, q[rows:flat], k[rows:flat], v[rows:flat], prompts, length, cc, chunk_mask),
-            ]
-            if extra:
-                if blank is None:
-                    blank = mx.zeros((extra, parts[0].shape[-1]), parts[0].dtype)
-                parts.append(blank)
-            out = mx.concatenate(parts)
+            decoded = _attend(attn, q[d], k[d], v[d], rows, 1, dc, decode_mask).reshape(rows, -1)
+            out = _attend(attn, padded(q), padded(k), padded(v), prompts, length, cc, chunk_mask)
+            if layout is not None:
+                out = mx.concatenate([out[out_rows, out_cols].reshape(real + extra, -1), decoded])
+            else:
+                parts = [decoded, out.reshape(prompts * length, -1)]
+                if extra:
+                    if blank is None:
+                        blank = mx.zeros((extra, decoded.shape[-1]), decoded.dtype)
+                    parts.append(blank)
+                out = mx.concatenate(parts)
         else:  # nothing reads the chunk's outputs past its last keys and values
-            _store(attn, k[rows:flat], v[rows:flat], prompts, length, cc)
-            x, h = x[:rows], h[:rows]
-            out = _attend(attn, attn.q_proj(h), k[:rows], v[:rows], rows, 1, dc, decode_mask)
+            _store(attn, padded(k), padded(v), prompts, length, cc)
+            x, h = x[d], h[d]
+            out = _attend(attn, attn.q_proj(h), k[d], v[d], rows, 1, dc, decode_mask).reshape(rows, -1)
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     out = inner.norm(x)[:, None]
@@ -118,3 +204,25 @@ def forward(model: Any, inputs: mx.array, caches: list[Any], chunk: mx.array,
     else:
         logits = model.lm_head(out)
     return logits
+
+
+class Chunk(NamedTuple):
+    """A chunk left for the next decode step's pass."""
+
+    tokens: mx.array
+    """`(prompts, length)`, padded."""
+    padded: bool
+    """Right-padded: the caches' padding moves to the left after it (`finalize_chunk`)."""
+    layout: Ragged | None
+    """Its real tokens, for a pass that skips its padding (None: the pass takes it padded)."""
+
+
+class Carrying:
+    """The model as a decode step calls it, with a prefill chunk in the same pass (`forward`)."""
+
+    def __init__(self, model: Any, chunk: Chunk, caches: list[Any], pad_rows: int) -> None:
+        self.model, self._chunk, self._caches, self._pad = model, chunk, caches, pad_rows
+
+    def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        chunk = self._chunk
+        return forward(self.model, inputs, cache, chunk.tokens, self._caches, self._pad, chunk.layout)

@@ -65,7 +65,7 @@ class PipelinedPrefill(PromptProcessingBatch):
     decoding: bool = False
     fuse: bool = False
     """While `decoding`, leave each chunk to the next decode step's forward pass (`fused.py`)."""
-    _chunk: tuple[mx.array, bool] | None = None
+    _chunk: fused.Chunk | None = None
     keep_cache: bool = False
     """Never empty MLX's buffer cache, even with nothing decoding (`install` sets it: `keeps_cache`)."""
     pad_to: int = 0
@@ -85,7 +85,8 @@ class PipelinedPrefill(PromptProcessingBatch):
             return
         batch, padded = self._prepared(tokens)
         if self.decoding and self.fuse and batch.shape[1] <= self.prefill_step_size:
-            self._chunk = (batch, padded)  # the next decode step's pass carries it
+            # The next decode step's pass carries it (without its padding where that pays).
+            self._chunk = fused.Chunk(batch, padded, fused.ragged(tokens, batch.shape[1], left=not padded))
             return
         self._run(batch, padded)
 
@@ -139,9 +140,9 @@ class PipelinedPrefill(PromptProcessingBatch):
         run = mx.async_eval if self.decoding else mx.eval
         run([c.state for c in self.prompt_cache])
 
-    def take_chunk(self) -> tuple[mx.array, bool] | None:
-        """The chunk left for the next decode step's pass (its tokens, whether right-padded),
-        which that pass now owns; None when there is none."""
+    def take_chunk(self) -> fused.Chunk | None:
+        """The chunk left for the next decode step's pass, which that pass now owns; None when
+        there is none."""
         chunk, self._chunk = self._chunk, None
         return chunk
 
@@ -150,7 +151,7 @@ class PipelinedPrefill(PromptProcessingBatch):
         reshapes the prompt caches without a decode step having carried it."""
         chunk = self.take_chunk()
         if chunk is not None:
-            self._run(*chunk)
+            self._run(chunk.tokens, chunk.padded)
 
     def split(self, indices: list[int]) -> Any:
         self.flush()
@@ -255,7 +256,7 @@ class JoiningBatch(GenerationBatch):
         partner, model = self.partner, self.model
         chunk = partner.take_chunk() if partner is not None else None
         if partner is not None and chunk is not None:
-            self.model = _Carrying(model, chunk[0], partner.prompt_cache, partner.pad_to)
+            self.model = fused.Carrying(model, chunk, partner.prompt_cache, partner.pad_to)
         self._stepping = True
         carried = partner.prompt_cache if partner is not None and chunk is not None else []
         try:
@@ -266,7 +267,7 @@ class JoiningBatch(GenerationBatch):
             self.model = model
             if partner is not None and chunk is not None:
                 self.chunks_carried += 1
-                if chunk[1]:
+                if chunk.padded:
                     partner.finalize_chunk()
 
     def extend(self, batch: Any) -> None:
@@ -346,16 +347,6 @@ class JoiningBatch(GenerationBatch):
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
-
-
-class _Carrying:
-    """The model as a decode step calls it, with a prefill chunk in the same pass (`fused.py`)."""
-
-    def __init__(self, model: Any, chunk: mx.array, caches: list[Any], pad_rows: int) -> None:
-        self.model, self._chunk, self._caches, self._pad = model, chunk, caches, pad_rows
-
-    def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
-        return fused.forward(self.model, inputs, cache, self._chunk, self._caches, self._pad)
 
 
 def keeps_cache() -> bool:
