@@ -27,7 +27,8 @@ computed by whichever later phase evaluates them: the batch cache's compaction w
 (finish) and its merge when rows join (join) land in the next decode step unless
 `--eval-caches` evaluates the cache at the end of those two phases. Also: steps/s, decode
 tokens/s, tokens a step (how many rows decode, on average: the rows that wait for their prompts
-leave slots idle) and the steps that prefilled. Which steps prefill, and so tokens a step, do
+leave slots idle), the steps that prefilled, and `real`, the share of our chunks' tokens (padding
+included) that are prompt tokens. Which steps prefill, and so tokens a step, do
 not depend on the backend: `--model synthetic:tiny --prefill-pad 64` on the CPU replays the
 steps of CUDA's padded passes in a minute (checked against an H200: 60.2, 55.6 and 37.7 tokens
 a step at budgets 0, 512 and 512x4 before whole-prompt plans, against 60.4, 55.8 and 37.5 there).
@@ -169,15 +170,31 @@ def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
     )
 
 
+def count_padding(counts: dict[str, int]) -> Any:
+    """`PipelinedPrefill._prepared`, adding each chunk's real and padded tokens to `counts`."""
+    prepared = PipelinedPrefill.__dict__["_prepared"]
+
+    def counted(self: PipelinedPrefill, tokens: list[list[int]]) -> Any:
+        out = prepared(self, tokens)
+        counts["real"] += sum(len(t) for t in tokens)
+        counts["padded"] += out[0].size
+        return out
+
+    return counted
+
+
 def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
     engine = engine_for(model, args, variant)
     admit = admitter(args)
+    counts = {"real": 0, "padded": 0}
 
     engine.insert([admit() for _ in range(args.concurrency)])
     clocks = Clocks(args.sync, args.eval_caches)
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             saved = install_clocks(clocks)
+            saved.append((PipelinedPrefill, "_prepared", PipelinedPrefill.__dict__["_prepared"]))
+            PipelinedPrefill._prepared = count_padding(counts)  # type: ignore[method-assign]
             start = time.perf_counter()
             tokens = prefill_steps = 0
             step_clock = 0.0
@@ -201,7 +218,8 @@ def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
     phases = dict(clocks.total)
     phases["engine"] = step_clock - sum(phases.values())
     return {"tok_s": tokens / wall, "ms_per_step": wall / args.steps * 1e3, "tokens_per_step": tokens / args.steps,
-            "prefill_steps": prefill_steps, "slow_steps": slow_steps(per_step), "phase_ms_per_step": {k: v / args.steps * 1e3 for k, v in phases.items()},
+            "prefill_steps": prefill_steps, "real_share": counts["real"] / counts["padded"] if counts["padded"] else None,
+            "slow_steps": slow_steps(per_step), "phase_ms_per_step": {k: v / args.steps * 1e3 for k, v in phases.items()},
             "calls": dict(clocks.calls)}
 
 
@@ -263,20 +281,22 @@ def main() -> None:
     print(f"\n{args.model} on {mx.default_device()}, {args.concurrency} rows, prompts {args.prompt_min}-"
           f"{args.prompt_max}, {args.max_tokens} tokens, {args.steps} steps, medians of {args.repeat}"
           f"{', synchronized phases' if args.sync else ''}; load {min(loads):.2f}-{max(loads):.2f}")
-    print(f"{'variant':<12} {'tok/s':>7} {'ms/step':>8} {'tok/step':>8} {'prefilled':>9} "
+    print(f"{'variant':<12} {'tok/s':>7} {'ms/step':>8} {'tok/step':>8} {'prefilled':>9} {'real':>5} "
           + " ".join(f"{n:>11}" for n in names))
     table = {}
     for v, rs in runs.items():
         row = {"tok_s": statistics.median(r["tok_s"] for r in rs),
                "ms_per_step": statistics.median(r["ms_per_step"] for r in rs),
                "tokens_per_step": statistics.median(r["tokens_per_step"] for r in rs),
-               "prefill_steps": statistics.median(r["prefill_steps"] for r in rs)}
+               "prefill_steps": statistics.median(r["prefill_steps"] for r in rs),
+               "real_share": statistics.median(r["real_share"] or 0.0 for r in rs)}
         row.update({n: statistics.median(r["phase_ms_per_step"].get(n, 0.0) for r in rs) for n in names})
         table[v] = row
         print(f"{v:<12} {row['tok_s']:>7.0f} {row['ms_per_step']:>8.2f} {row['tokens_per_step']:>8.1f} "
-              f"{row['prefill_steps']:>9.0f} "
+              f"{row['prefill_steps']:>9.0f} {row['real_share']:>5.2f} "
               + " ".join(f"{row[n]:>11.2f}" for n in names))
-    print("(phases: ms per step, averaged over all steps)")
+    print("(real: the share of our chunks' tokens, padding included, that are prompt tokens; "
+          "phases: ms per step, averaged over all steps)")
     print("\nThe slowest steps (>= p95 of step time) against the median half, first run, ms a step:")
     print(f"{'variant':<12} {'steps':<12} {'step':>7} " + " ".join(f"{n:>11}" for n in names))
     for v, rs in runs.items():

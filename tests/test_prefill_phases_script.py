@@ -52,3 +52,23 @@ def test_a_budget_of_448x4_plans_one_step_in_four_and_mlxchunk_keeps_mlxs_chunk_
     engine = phases.engine_for(tiny_model, _args(), "auto")
     engine.close()
     assert engine.prefill_every == 1 and padded_attention.GROUPED is True  # "auto" on the CPU
+
+
+def test_padded_runs_chunks_with_their_padding_and_the_counter_sees_real_and_padded_tokens(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers.batching import fused
+    from workers.batching.prefill import PipelinedPrefill
+
+    phases = load_script(SCRIPT, "prefill_phases_script")
+    monkeypatch.setattr(fused, "RAGGED", True)  # restored after the test
+    phases.engine_for(tiny_model, _args(), "64:padded").close()
+    assert fused.RAGGED is False
+    phases.engine_for(tiny_model, _args(), "64").close()
+    assert fused.RAGGED is True
+    counts = {"real": 0, "padded": 0}
+    counted = phases.count_padding(counts)
+    batch: Any = PipelinedPrefill.empty(tiny_model, None, prefill_step_size=64)  # an empty batch's
+    batch.tokens, batch.prompt_cache = [[], []], []  # two prompts, caches not needed to pad
+    tokens, _ = counted(batch, [[1, 2, 3], [4]])
+    assert tokens.shape == (2, 3) and counts == {"real": 4, "padded": 6}

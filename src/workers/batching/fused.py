@@ -6,7 +6,8 @@ prompt chunk. The second pass builds a whole graph on the host and reads every w
 chunk's tokens go through the projections and MLPs as one matrix; only the attention is split,
 each part against its own caches (the decode batch's, the prompt batch's), with the masks mlx-lm's
 own passes would use. The chunk's logits are never computed: in the last layer only its keys and
-values are stored.
+values are stored. A chunk that is largely padding goes through the projections and MLPs without
+it (`Ragged`), and prompt caches that hold nothing yet take the chunk as their arrays.
 
 Only blocks written as llama's, qwen2's and qwen3's are fused (`unfusable` says why a model is
 not), since the pass re-states their forward: RMSNorm, attention with rotary positions, RMSNorm,
@@ -64,7 +65,7 @@ class Ragged(NamedTuple):
 
     The prompts of a chunk are padded to the longest (and on CUDA to a multiple of 64), and the
     padding went through every projection and MLP like a real token: in a closed loop of prompts
-    of 64-512 tokens a carried chunk was about 37% padding (`prefill_phases.py` replay). Here the
+    of 64-512 tokens a carried chunk was about 40% padding (`prefill_phases.py`, `real`). Here the
     pass holds only the real tokens; each layer's attention alone sees the padded layout, which
     it needs for the prompt caches, through a gather whose padding positions repeat a real
     token of their prompt (finite, and masked like any padding)."""
