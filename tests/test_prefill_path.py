@@ -471,3 +471,24 @@ def test_plans_of_whole_prompts_ride_without_their_padding_and_give_the_same_tok
     assert run(planned(), admits) == ragged
     assert not any(layouts[carried:]) and len(layouts) > carried
     assert ragged == run(engine(tiny_model, True, budget=48, fuse=False), admits)
+
+
+def test_whole_prompt_plans_are_padded_on_the_left_never_right_padded_and_rolled(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every prompt fits a plan whole (prefill_step 128 > 90 tokens), so every chunk goes into
+    prompt caches that hold nothing yet, even after the prompts of the plan before left to join."""
+    right_padded: list[bool] = []
+    prepared = PipelinedPrefill._prepared
+
+    def seen(self: PipelinedPrefill, tokens: list[list[int]]) -> Any:
+        out = prepared(self, tokens)
+        right_padded.append(out[1])
+        return out
+
+    monkeypatch.setattr(PipelinedPrefill, "_prepared", seen)
+    e = MLXEngine(tiny_model, vocab_size=256, max_batch=16, prefill_batch=8, prefill_step=128,
+                  step_token_budget=96, prefill_every=4)
+    out = run(e, workload(40, seed=3))
+    assert len(right_padded) > 4 and not any(right_padded)
+    assert all(out.values())
