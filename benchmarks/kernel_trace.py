@@ -8,8 +8,9 @@ budget: `0`, `512`; with `prefill_phases.py`'s flags, e.g. `:nofuse` for a chunk
 its own), and after `--warmup` steps traces `--steps` steps with PyTorch's profiler (CUPTI),
 which records every kernel, copy and set launched in the process, MLX's among them. Each kernel is charged to the step that launched
 it (CUPTI's correlation of a launch to its kernel), so a step's device time is the work it
-queued, wherever it ran. Per variant, split into steps that decode only and steps that carry
-prefill work:
+queued, wherever it ran. Per variant, split into steps that decode only, steps whose plan
+prefills, and the steps after those, whose decode pass carries the chunk the plan left
+(`carrying`):
 
 - wall ms a step, the device's busy ms a step (kernels + copies + sets) and kernels a step;
 - the device's busy share of the traced wall time (near 1: the device is the limit; low: the
@@ -162,8 +163,7 @@ def charge(events: list[dict[str, Any]], steps: list[dict[str, Any]], wall: floa
     busy_total = sum(e["dur"] for e in device) / 1e6
     out: dict[str, Any] = {"wall_s": wall, "steps": len(steps), "device_busy_share": busy_total / wall,
                            "device_events": len(device), "charged_by_time": uncharged, "classes": {}}
-    for cls, pick in (("decode only", lambda s: s["prefill_tokens"] == 0), ("prefilling", lambda s: s["prefill_tokens"] > 0)):
-        idx = [i for i, s in enumerate(steps) if pick(s)]
+    for cls, idx in step_classes(steps).items():
         if not idx:
             continue
         out["classes"][cls] = {
@@ -177,6 +177,18 @@ def charge(events: list[dict[str, Any]], steps: list[dict[str, Any]], wall: floa
             "sequence": sequence(per_step_order, per_step_kernels, idx),
         }
     out["around"] = around(steps, per_step_busy, per_step_kernels, per_step_names, top)
+    return out
+
+
+def step_classes(steps: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """The steps' indices by class: "prefilling" (a plan's prompt tokens were counted in it),
+    "carrying" (the step after one, whose decode pass runs the chunk the plan left, unless it
+    prefills itself) and "decode only" (the rest)."""
+    after = {i + 1 for i, s in enumerate(steps) if s["prefill_tokens"] > 0}
+    out: dict[str, list[int]] = {"decode only": [], "prefilling": [], "carrying": []}
+    for i, s in enumerate(steps):
+        cls = "prefilling" if s["prefill_tokens"] > 0 else "carrying" if i in after else "decode only"
+        out[cls].append(i)
     return out
 
 

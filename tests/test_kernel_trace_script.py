@@ -25,3 +25,10 @@ def test_the_steps_after_each_prefilling_one_are_taken_at_their_offsets() -> Non
     assert rows[1]["busy_ms"] == 20.0 and rows[1]["kernels"] == 700 and rows[1]["prefill_tokens"] == 0
     assert rows[1]["top"] == [["gemm", 12.0]]
     assert rows[2]["busy_ms"] == 7.0 and rows[2]["wall_ms"] == 8.0
+
+
+def test_the_step_after_a_plan_is_classed_as_carrying_not_as_decode_only() -> None:
+    trace = load_script(SCRIPT, "kernel_trace_script")
+    steps = [{"prefill_tokens": t} for t in (0, 800, 0, 0, 600, 300, 0)]
+    assert trace.step_classes(steps) == {
+        "decode only": [0, 3], "prefilling": [1, 4, 5], "carrying": [2, 6]}
