@@ -258,22 +258,22 @@ class HostPaddedKVCache(BatchKVCache):
             return
         keep = list(batch_indices)
         padding = self.padding()
-        empty = self.__dict__.get("_empty_rows", 0)
-        if empty and all(i < len(padding) - empty for i in keep):
-            del self.__dict__["_empty_rows"]  # the rows that joined holding nothing all leave
-        elif empty and all(i >= len(padding) - empty for i in keep):
-            del self.__dict__["_empty_rows"]  # only they stay: nothing held, nothing to copy
-            self.keys = self.values = None
         kept = [padding[i] for i in keep]
         shift = min(kept, default=0)  # the padding every row shares goes
-        if self.keys is not None and self._idx == shift:
+        held = self.__dict__
+        empty = held.pop("_empty_rows", 0)
+        if self._idx == shift:
             # The rows that stay hold nothing (prompts that have not started, beside ones that
-            # left to join): no buffer, so that their first chunk is padded on the left and
-            # written without growing one, not right-padded, grown and rolled.
-            self.keys = self.values = None
-        elif self.keys is not None:
-            self.keys = kept_rows(self.keys, keep, shift)
-            self.values = kept_rows(self.values, keep, shift)
+            # left to join; rows that joined holding nothing among them): no buffer, so that
+            # their first chunk is padded on the left and written without growing one, not
+            # right-padded, grown and rolled.
+            held["keys"] = held["values"] = None
+        else:
+            if any(i >= len(padding) - empty for i in keep):
+                held["_empty_rows"] = empty  # they stay beside held rows: joined as read below
+            if self.keys is not None:
+                self.keys = kept_rows(self.keys, keep, shift)
+                self.values = kept_rows(self.values, keep, shift)
         self.offset = self.offset[host_ints(keep)]
         self._idx -= shift
         self._set_padding([p - shift for p in kept])
