@@ -260,15 +260,11 @@ class MLXEngine:
             alone = lone_row(gen)
         if alone is not None:
             # Nothing to plan, prefill or join: the row's step as `stream_generate` takes it.
-            self.mask_free.before_step(gen)
-            with mx.stream(generator_stream(gen)):
-                return self._results(alone.next_alone(), 0)
+            return self._decode_only(alone.next_alone)
         sizes = queue_sizes(gen)
         decoding = sizes.decoding
         if self._budget.rests(decoding=decoding):  # a decode step only: no prompt starts or joins
-            self.mask_free.before_step(gen)
-            with mx.stream(generator_stream(gen)):
-                return self._results(generation_batch(gen).next(), 0)
+            return self._decode_only(generation_batch(gen).next)
         if self._order is not None and sizes.waiting:
             self._order.reorder(gen)
         gen.prefill_step_size, gen.prefill_batch_size = self._budget.plan(
@@ -288,6 +284,14 @@ class MLXEngine:
             # step, not in one of their own, so their first token comes a step sooner.
             gen.next()
         return self._results(responses, prompt_tokens_done(gen) - before)
+
+    def _decode_only(self, step: Callable[[], list[Any]]) -> StepResult:
+        """A step that only decodes, through `step` (no plan, no prefill, no join), on the
+        generator's stream."""
+        gen = self._gen
+        self.mask_free.before_step(gen)
+        with mx.stream(generator_stream(gen)):
+            return self._results(step(), 0)
 
     def _results(self, responses: list[Any], prefilled: int) -> StepResult:
         """The step's outcome from mlx-lm's responses; stores the blocks and sessions they end."""
