@@ -111,17 +111,16 @@ def by_site(events: list[dict[str, Any]], steps: list[dict[str, Any]], top: int)
     """Per class of step: each of `SITE_CALLS` a step (calls, ms) and, for those that allocate
     unified memory, copy or free it, the Python sites that made them (calls a step)."""
     windows = _windows(events)
-    prefilling = {i for i, s in enumerate(steps) if s["prefill_tokens"] > 0}
     out: dict[str, Any] = {}
-    for cls, pick in (("decode only", lambda i: i not in prefilling), ("prefilling", lambda i: i in prefilling)):
-        n = sum(1 for i in range(len(steps)) if pick(i))
+    for cls, idx in step_classes(steps).items():
+        n, members = len(idx), set(idx)
         if not n:
             continue
         calls: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         sites: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         for name, ts, dur, site in call_sites(events):
             step = _window(windows, ts)
-            if step is None or not pick(step):
+            if step is None or step not in members:
                 continue
             calls[name][0] += 1 / n
             calls[name][1] += dur / 1e3 / n
