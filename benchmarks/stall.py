@@ -27,6 +27,11 @@ Python's garbage collector off for the timed run (every run reports the collecto
     python benchmarks/stall.py --variants 0 auto 256 auto:keepcache --prompt-min 64 --prompt-max 512 \
         --concurrency 32 --max-tokens 48 --seconds 20 --repeat 3
 
+A closed loop starts as a burst (every stream sends at once), and in a run of 20 s on the CPU
+each stream sends only one or two requests, so the TTFT p99 is mostly the burst's. `--ramp`
+lets the loop run that long before anything counts, and then counts only the next `--seconds`:
+the steady state (tokens/s over that window, without the drain after it).
+
 The variant `mlx_lm.server` runs the same closed loop against mlx-lm's server (started here with
 the same batch sizes, on this process's OpenBLAS, on a copy of the model that never samples EOS),
 over HTTP with text prompts of the same token lengths. The side-by-side mode also plots each
@@ -92,10 +97,27 @@ class GCPauses:
 
 
 class Trace:
-    def __init__(self) -> None:
+    """What a run measured. With a ramp, only the window from `since` to `until` (seconds after
+    the start) counts: TTFT of the requests sent in it, gaps and tokens that come in it."""
+
+    def __init__(self, since: float = 0.0, until: float = float("inf")) -> None:
+        self.since, self.until = since, until
         self.itl: list[tuple[float, float]] = []  # (time since start, gap)
         self.ttft: list[float] = []
         self.tokens = 0
+
+    def first(self, sent: float, ttft: float, tokens: int) -> None:
+        """A request sent `sent` s after the start had its first `tokens` after `ttft` s."""
+        if self.since <= sent < self.until:
+            self.ttft.append(ttft)
+        if self.since <= sent + ttft < self.until:
+            self.tokens += tokens
+
+    def gap(self, at: float, gap: float, tokens: int) -> None:
+        """`tokens` came `at` s after the start, `gap` s after the ones before them."""
+        if self.since <= at < self.until:
+            self.itl.append((at, gap))
+            self.tokens += tokens
 
     def result(self, wall: float) -> dict[str, object]:
         itl = summarize([g for _, g in self.itl])
@@ -108,6 +130,14 @@ class Trace:
         }
 
 
+def window(args: argparse.Namespace) -> Trace:
+    """Without a ramp a run counts from its start (a burst: every stream sends at once) until its
+    last request ends; with one, only the steady `--seconds` after it."""
+    if not args.ramp:
+        return Trace()
+    return Trace(args.ramp, args.ramp + args.seconds)
+
+
 async def one_request(sched: Scheduler, prompt: list[int], params: SamplingParams, trace: Trace,
                       start: float) -> None:
     t0 = last = time.perf_counter()
@@ -117,12 +147,11 @@ async def one_request(sched: Scheduler, prompt: list[int], params: SamplingParam
             continue
         now = time.perf_counter()
         if first:
-            trace.ttft.append(now - t0)
+            trace.first(t0 - start, now - t0, len(chunk.token_ids))
             first = False
         else:
-            trace.itl.append((now - start, now - last))
+            trace.gap(now - start, now - last, len(chunk.token_ids))
         last = now
-        trace.tokens += len(chunk.token_ids)
 
 
 async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float | None,
@@ -140,7 +169,7 @@ async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float 
         n = rng.randint(args.prompt_min, args.prompt_max) if args.prompt_min else args.prompt_tokens
         return [rng.randrange(3, 1000) for _ in range(n)]
 
-    trace = Trace()
+    trace = window(args)
     async with Scheduler(config) as sched:
         # Warm up with a batch of prompts across the length range: a GPU compiles kernels for
         # the shapes it first meets, and that must not land inside the timed run.
@@ -154,7 +183,7 @@ async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float 
         if not collect:
             gc.disable()
         start = time.perf_counter()
-        end_at = start + args.seconds
+        end_at = start + args.ramp + args.seconds
         try:
             with GCPauses() as pauses:
                 async with anyio.create_task_group() as tg:
@@ -169,7 +198,7 @@ async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float 
                         while time.perf_counter() < end_at:
                             tg.start_soon(one_request, sched, prompt(), params(), trace, start)
                             await anyio.sleep(rng.expovariate(rate))
-                wall = time.perf_counter() - start
+                wall = args.seconds if args.ramp else time.perf_counter() - start
         finally:
             gc.enable()
     return {**trace.result(wall), **pauses.result()}
@@ -197,6 +226,10 @@ def main() -> None:
     ap.add_argument("--prefill-batch", type=int, default=8)
     ap.add_argument("--prefill-step", type=int, default=512)
     ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--ramp", type=float, default=0.0,
+                    help="seconds the closed loop runs before anything counts (its start is a burst: "
+                         "every stream sends at once); then only the next --seconds count (tokens, "
+                         "gaps, and the TTFT of requests sent in them), not the drain after them")
     ap.add_argument("--load", type=float, default=0.8, help="open-loop rate as a share of capacity")
     ap.add_argument("--budget", default='"auto"', help='the "on" setting: "auto" or tokens')
     ap.add_argument("--seed", type=int, default=0)
@@ -333,7 +366,8 @@ def compare(args: argparse.Namespace) -> None:
     prompts = f"{args.prompt_min}-{args.prompt_max}" if args.prompt_min else str(args.prompt_tokens)
     output = f"{args.max_tokens_min}-{args.max_tokens}" if args.max_tokens_min else args.max_tokens
     print(f"\n{args.model}, {args.concurrency} streams, prompts {prompts}, output {output}, "
-          f"{args.seconds:.0f} s a run, medians of {args.repeat}; load {min(loads):.2f}-{max(loads):.2f}")
+          f"{args.seconds:.0f} s a run{f' after a {args.ramp:.0f} s ramp' if args.ramp else ''}, "
+          f"medians of {args.repeat}; load {min(loads):.2f}-{max(loads):.2f}")
     print(f"{'budget':<16} {'tok/s':>7} {'x ' + base:>8} {'ITL p50':>8} {'ITL p99':>8} {'p99/p50':>8} "
           f"{'TTFT p99':>9} {'x ' + base:>8}")
     table = {}
@@ -395,7 +429,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, object]:
     maker = datasets.PromptMaker(datasets.load_codec(model_dir))
     rng = random.Random(args.seed)
     sampling = Sampling(temperature=0.0, ignore_eos=True)
-    trace = Trace()
+    trace = window(args)
 
     async def loop(url: str) -> float:
         limits = httpx.Limits(max_connections=None)
@@ -411,7 +445,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, object]:
 
             await one(args.prompt_min)  # warm up
             start = time.perf_counter()
-            end_at = start + args.seconds
+            end_at = start + args.ramp + args.seconds
 
             async def stream() -> None:
                 while time.perf_counter() < end_at:
@@ -419,17 +453,16 @@ def run_peer(args: argparse.Namespace) -> dict[str, object]:
                     rec = await one(rng.randint(args.prompt_min, args.prompt_max))
                     if rec.ttft is None:
                         continue
-                    trace.ttft.append(rec.ttft)
+                    trace.first(sent - start, rec.ttft, rec.output_tokens - len(rec.itl))
                     at = sent + rec.ttft
                     for gap in rec.itl:
                         at += gap
-                        trace.itl.append((at - start, gap))
-                    trace.tokens += rec.output_tokens
+                        trace.gap(at - start, gap, 1)
 
             async with anyio.create_task_group() as tg:
                 for _ in range(args.concurrency):
                     tg.start_soon(stream)
-            return time.perf_counter() - start
+            return args.seconds if args.ramp else time.perf_counter() - start
 
     with MlxLmServer(model_dir, decode_concurrency=args.concurrency, prompt_concurrency=args.prefill_batch,
                      env=peer_env(PEER)) as server:
