@@ -25,7 +25,11 @@ the same amount, so steps stay alike and no one step stalls the streams; the cap
 prefill to about what its decode computes, so even a compute-bound model's step at most about
 doubles. Measured on the 2-core CPU machine with prompts of 64-512 tokens at 32 and 64 streams
 (docs/stalls.md): 64 tokens a step kept ITL p99 within 1.5-2.4x its p50 on `synthetic:small` and
-`llama-h512-l8`; 128 at 64 streams let `llama-h512-l8` reach 3.3-3.6x."""
+`llama-h512-l8`; 128 at 64 streams let `llama-h512-l8` reach 3.3-3.6x. Where the demand is
+above the cap, prompts queue: in such a closed loop's steady state the TTFT p99 was 1.2-2.4x
+budget 0's. A budget at the demand fixed that on `synthetic:small`, but on `llama-h512-l8` every
+join into the fuller batch (which rebuilds its keys and values) cost up to 153 ms a step, and
+ITL p99 passed 3.6x its p50 at 64 streams."""
 AUTO_MIN_TOKENS = 32
 """The auto budget's floor: a short prompt still joins in one step."""
 EMA = 0.2

@@ -91,9 +91,10 @@ class MLXEngine:
         self.prefill_every = cadence(prefill_every, cuda=cuda)
         """Under a budget, while rows decode, prefill plans up to this many steps' budget at once."""
         if step_token_budget == "auto" and gpu:
-            # Measured on an H100 (docs/stalls.md): a prefill chunk is a forward pass of its own,
-            # as costly on the host as a decode step, so spreading prefill over many steps kept
-            # only 0.29-0.63x the throughput at 32-64 streams.
+            # Measured on an H200 (docs/stalls.md): a step that carries prefill costs about two
+            # decode steps more whatever it carries, so budgets small enough to bound ITL p99
+            # within 3x its p50 kept 0.67-0.87x budget 0's throughput, and larger ones (1,024 a
+            # step, one step in four) 0.89-0.98x with ITL p99 still 2.7-4.7x its p50.
             step_token_budget = 0
         self._budget = PrefillBudget(
             step_token_budget,
