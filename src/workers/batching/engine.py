@@ -94,7 +94,7 @@ class MLXEngine:
             # Measured on an H200 (docs/stalls.md): a step that carries prefill costs about two
             # decode steps more whatever it carries, so budgets small enough to bound ITL p99
             # within 3x its p50 kept 0.67-0.87x budget 0's throughput, and larger ones (1,024 a
-            # step, one step in four) 0.89-0.98x with ITL p99 still 2.7-4.7x its p50.
+            # step, one step in four) 0.86-1.02x with ITL p99 still 2.7-4.7x its p50.
             step_token_budget = 0
         self._budget = PrefillBudget(
             step_token_budget,
