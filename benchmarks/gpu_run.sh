@@ -86,7 +86,8 @@
 #               directory (MODELS=smollm2-135m for the real model; give it LIMIT_S=600 when it stays
 #               quantized: each variant may take a third of it, and a cold build took 45-140 s)
 #   stall       benchmarks/stall.py: the closed loop of prompts of 64-512 tokens at $STALL_CONC streams
-#               (32 64), 48 tokens each, $STALL_S (10) s a run, $REPEAT (2) rounds, for each of
+#               (32 64), 48 tokens each, $STALL_S (10) s a run counted after a ramp of $STALL_RAMP
+#               (5) s (the loop's start is a burst: stall.py --ramp; 0 counts from it), $REPEAT (2) rounds, for each of
 #               $STALL_VARIANTS (default "0 auto"; flags such as 0:queued, 0:mlxpad: stall.py's header);
 #               $STALL_ARGS adds options ("--max-tokens 96 --max-tokens-min 16": varied output lengths)
 #   mixed-step  benchmarks/mixed_step.py: a prefill chunk inside the decode step's forward pass
@@ -162,7 +163,7 @@ from workers.loading.models import resolve_model; convert(str(resolve_model(sys.
       stall)
         for c in ${STALL_CONC:-32 64}; do
           timeout "$limit" python3 -P benchmarks/stall.py --model "synthetic:$m" --variants ${STALL_VARIANTS:-0 auto} \
-            --concurrency "$c" --prompt-min 64 --prompt-max 512 --max-tokens 48 --seconds ${STALL_S:-10} \
+            --concurrency "$c" --prompt-min 64 --prompt-max 512 --max-tokens 48 --seconds ${STALL_S:-10} --ramp ${STALL_RAMP:-5} \
             --repeat ${REPEAT:-2} ${STALL_ARGS:-} --out "$out/stall-$m-$c.json"
         done ;;
       mixed-step)
