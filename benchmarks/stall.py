@@ -119,7 +119,9 @@ class Trace:
             self.itl.append((at, gap))
             self.tokens += tokens
 
-    def result(self, wall: float) -> dict[str, object]:
+    def result(self, elapsed: float) -> dict[str, object]:
+        """The figures; tok/s over the window, or over `elapsed` (the whole run) without one."""
+        wall = self.until - self.since if self.until < float("inf") else elapsed
         itl = summarize([g for _, g in self.itl])
         ttft = summarize(self.ttft)
         return {
@@ -198,7 +200,7 @@ async def run(config: SchedulerConfig, args: argparse.Namespace, *, rate: float 
                         while time.perf_counter() < end_at:
                             tg.start_soon(one_request, sched, prompt(), params(), trace, start)
                             await anyio.sleep(rng.expovariate(rate))
-                wall = args.seconds if args.ramp else time.perf_counter() - start
+                wall = time.perf_counter() - start
         finally:
             gc.enable()
     return {**trace.result(wall), **pauses.result()}
@@ -462,7 +464,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, object]:
             async with anyio.create_task_group() as tg:
                 for _ in range(args.concurrency):
                     tg.start_soon(stream)
-            return args.seconds if args.ramp else time.perf_counter() - start
+            return time.perf_counter() - start
 
     with MlxLmServer(model_dir, decode_concurrency=args.concurrency, prompt_concurrency=args.prefill_batch,
                      env=peer_env(PEER)) as server:
