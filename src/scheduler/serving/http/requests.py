@@ -103,12 +103,17 @@ def decode(body: bytes, kind: type[T]) -> T:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         raise _explain(str(exc)) from None
-    except msgspec.DecodeError:
+    except msgspec.DecodeError as exc:
+        if "UTF-8" in str(exc):  # msgspec 0.23 says "Invalid UTF-8 encoded string" here
+            raise invalid(BAD_UTF8) from None
         raise invalid("the request body is not valid JSON") from None
     except RecursionError:  # nesting in an ignored field is skipped recursively by msgspec
         raise invalid("the request body is not valid JSON: it is nested too deeply") from None
-    except UnicodeDecodeError:
-        raise invalid("the request body is not valid JSON: a string holds invalid UTF-8") from None
+    except UnicodeDecodeError:  # msgspec before 0.23
+        raise invalid(BAD_UTF8) from None
+
+
+BAD_UTF8 = "the request body is not valid JSON: a string holds invalid UTF-8"
 
 
 def _explain(message: str) -> ApiError:
