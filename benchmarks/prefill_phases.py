@@ -8,6 +8,8 @@ a warm-up. Each variant (a budget; `:mlx` for mlx-lm's own prefill and joining i
 for an array from host values made per layer, not once per call, `hostpad.SHARE_HOST_ARRAYS`;
 `:apart` for each layer's positions moved on their own, as mlx-lm does, `hostpad.SHARE_POSITIONS`;
 `:padjoin` for joins that pad each side and concatenate, as mlx-lm's do, `hostpad.JOIN_ONCE`;
+`:copyrows` for decoding rows' arrays copied whenever rows join or leave, as mlx-lm's are,
+`sparerows.ENABLED`;
 `:mlxchunk` for MLX's own products in prompt chunks' attention, `padded_attention.GROUPED`;
 `:padded` for a carried chunk's padding through the projections and MLPs, `fused.RAGGED`;
 a budget `448x4` plans up to 4 steps' budget at once, `[worker] prefill_every`)
@@ -55,7 +57,7 @@ import workers  # noqa: F401
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
-from workers.batching import fused, hostpad, padded_attention
+from workers.batching import fused, hostpad, padded_attention, sparerows
 from workers.batching.engine import MLXEngine
 from workers.batching.prefill import JoiningBatch, PipelinedPrefill
 from workers.cuda import apply_cuda_defaults
@@ -143,14 +145,14 @@ def admitter(args: argparse.Namespace) -> Callable[[], Admit]:
     return admit
 
 
-FLAGS = ("", "mlx", "blocking", "nofuse", "perlayer", "apart", "padjoin", "mlxchunk", "padded")
+FLAGS = ("", "mlx", "blocking", "nofuse", "perlayer", "apart", "padjoin", "copyrows", "mlxchunk", "padded")
 """A variant's one flag after its budget (none, or the header's)."""
 
 
 def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
     """Our engine for a variant: a budget (`448x4`: with `prefill_every`), with `:mlx`,
-    `:blocking`, `:nofuse`, `:perlayer`, `:apart`, `:padjoin`, `:mlxchunk` or `:padded` (the header).
-    The last five are process-wide: they hold until the next variant's engine."""
+    `:blocking`, `:nofuse`, `:perlayer`, `:apart`, `:padjoin`, `:copyrows`, `:mlxchunk` or `:padded`
+    (the header). The last six are process-wide: they hold until the next variant's engine."""
     budget_text, _, flag = variant.partition(":")
     if flag not in FLAGS:
         raise SystemExit(f"unknown variant flag {flag!r} in {variant!r} (one a variant): known {FLAGS[1:]}")
@@ -159,6 +161,7 @@ def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
     hostpad.SHARE_HOST_ARRAYS = flag != "perlayer"
     hostpad.SHARE_POSITIONS = flag != "apart"
     hostpad.JOIN_ONCE = flag != "padjoin"
+    sparerows.ENABLED = flag != "copyrows"
     padded_attention.GROUPED = flag != "mlxchunk"
     fused.RAGGED = flag != "padded"
     pad = getattr(args, "prefill_pad", "auto")  # kernel_trace.py's arguments have none

@@ -17,7 +17,8 @@ copies the rows that stay by MLX's gather (as mlx-lm's filter) rather than by ru
 right-pads every prefill pass and rolls its caches (as mlx-lm does), even a first one, `:perlayer`
 makes each layer's cache its own arrays from host values (as mlx-lm does), `:apart` moves each
 layer's positions on its own (as mlx-lm does, `hostpad.SHARE_POSITIONS`), `:padjoin` joins rows by
-padding each side and concatenating (as mlx-lm does, `hostpad.JOIN_ONCE`), `:mlxattn` keeps MLX's
+padding each side and concatenating (as mlx-lm does, `hostpad.JOIN_ONCE`), `:copyrows` copies the
+decoding rows' arrays whenever rows join or leave (as mlx-lm does, `sparerows.ENABLED`), `:mlxattn` keeps MLX's
 masked attention for padded decode rows on CUDA (`padded_attention.ENABLED`), `:mlxchunk` MLX's
 own products for prompt chunks' attention (`padded_attention.GROUPED`), `:padded` runs a carried
 chunk's padding through the projections and MLPs (`fused.RAGGED`), `:nogc` turns
@@ -51,12 +52,12 @@ import anyio
 
 from metrics import configure_logging, summarize
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
-from workers.batching import fused, hostpad, padded_attention
+from workers.batching import fused, hostpad, padded_attention, sparerows
 from workers.batching.prefill import PipelinedPrefill
 
 PEER = "mlx_lm.server"
 FLAGS = ("keepcache", "queued", "blocking", "mlxpad", "gatherfilter", "rollpad", "perlayer", "apart",
-         "padjoin", "mlxattn", "mlxchunk", "padded", "nogc")
+         "padjoin", "copyrows", "mlxattn", "mlxchunk", "padded", "nogc")
 """Variant flags: MLX's clear_cache a no-op; prefill chunks queued or blocking; mlx-lm's own
 batch-cache filter (it reads the rows' padding from the device) instead of ours; ours copying the
 rows that stay by gather rather than by runs; every pass right-padded and rolled; an array from
@@ -333,6 +334,7 @@ def compare(args: argparse.Namespace) -> None:
             hostpad.SHARE_HOST_ARRAYS = "perlayer" not in flags
             hostpad.SHARE_POSITIONS = "apart" not in flags
             hostpad.JOIN_ONCE = "padjoin" not in flags
+            sparerows.ENABLED = "copyrows" not in flags
             padded_attention.ENABLED = "mlxattn" not in flags
             padded_attention.GROUPED = "mlxchunk" not in flags
             fused.RAGGED = "padded" not in flags
@@ -348,6 +350,7 @@ def compare(args: argparse.Namespace) -> None:
                 hostpad.ENABLED = True
                 hostpad.COPY_RUNS = True
                 hostpad.SHARE_HOST_ARRAYS = hostpad.SHARE_POSITIONS = hostpad.JOIN_ONCE = True
+                sparerows.ENABLED = True
                 padded_attention.ENABLED = padded_attention.GROUPED = fused.RAGGED = True
                 PipelinedPrefill._fresh = fresh  # type: ignore[method-assign]
             traces.setdefault(variant, result.pop("itl_trace"))

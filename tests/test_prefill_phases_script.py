@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.scripts import load_script
-from workers.batching import hostpad, padded_attention
+from workers.batching import hostpad, padded_attention, sparerows
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "prefill_phases.py"
 
@@ -19,16 +19,19 @@ def _args() -> argparse.Namespace:
     return argparse.Namespace(vocab=256, concurrency=4, prefill_batch=2, prefill_step=64)
 
 
-@pytest.mark.parametrize(("variant", "shared", "once"), [("64", True, True), ("64:apart", False, True),
-                                                         ("auto:padjoin", True, False)])
-def test_a_variants_flag_switches_what_it_names(variant: str, shared: bool, once: bool, tiny_model: Any,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("variant", "shared", "once", "spare"), [
+    ("64", True, True, True), ("64:apart", False, True, True), ("auto:padjoin", True, False, True),
+    ("64:copyrows", True, True, False)])
+def test_a_variants_flag_switches_what_it_names(variant: str, shared: bool, once: bool, spare: bool,
+                                                tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     phases = load_script(SCRIPT, "prefill_phases_script")
     for name in ("SHARE_POSITIONS", "JOIN_ONCE", "SHARE_HOST_ARRAYS"):
         monkeypatch.setattr(hostpad, name, getattr(hostpad, name))  # restored after the test
+    monkeypatch.setattr(sparerows, "ENABLED", sparerows.ENABLED)
     engine = phases.engine_for(tiny_model, _args(), variant)
     engine.close()
     assert (hostpad.SHARE_POSITIONS, hostpad.JOIN_ONCE, hostpad.SHARE_HOST_ARRAYS) == (shared, once, True)
+    assert sparerows.ENABLED is spare
 
 
 def test_an_unknown_or_second_flag_is_an_error(tiny_model: Any) -> None:

@@ -57,4 +57,27 @@ def mismatch(swap: Callable[[list[Any], list[int]], list[Any]]) -> str | None:
     problem = problem or differs("filter", theirs, mine)
     if not problem and mine.extract(1).keys.shape != theirs.extract(1).keys.shape:
         problem = "BatchKVCache.extract takes a row from another place"
-    return problem
+    return problem or in_place_mismatch(twin)
+
+
+def in_place_mismatch(twin: Callable[[list[int], int], tuple[Any, Any]]) -> str | None:
+    """None when rows that leave, are written and join in place (`sparerows.py`) each hold what
+    mlx-lm's batch cache holds for them; else what differs."""
+    theirs, mine = twin([2, 0, 1, 0], 0)
+    mine.in_place = True
+    rows = mx.arange(4 * 3 * 2, dtype=mx.float32).reshape(4, 1, 3, 2)  # each row its own values
+    for c in (theirs, mine):
+        c.update_and_fetch(rows, rows)
+    theirs.filter([0, 2, 3])
+    mine.filter([0, 3, 2])  # the last row takes the place of the one that left
+    kv = mx.arange(3 * 4, dtype=mx.float32).reshape(3, 1, 2, 2)
+    theirs.update_and_fetch(kv, kv)
+    mine.update_and_fetch(kv[mx.array([0, 2, 1])], kv[mx.array([0, 2, 1])])
+    joining = twin([0], 2)
+    theirs.extend(joining[0])
+    mine.extend(joining[1])
+    for their_row, my_row in enumerate([0, 2, 1, 3]):
+        a, b = theirs.extract(their_row), mine.extract(my_row)
+        if a.offset != b.offset or not mx.array_equal(a.keys, b.keys).item():
+            return "a batch cache's rows no longer hold mlx-lm's keys after leaving and joining in place"
+    return None

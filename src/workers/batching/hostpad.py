@@ -50,7 +50,10 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from workers.batching import sparerows
 from workers.batching.hostcheck import mismatch
+from workers.batching.sparerows import grown
+from workers.loading.dtypes import on_cpu
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -143,18 +146,20 @@ class HostPaddedKVCache(BatchKVCache):
     Rows that join holding nothing (prompts about to start) join the arrays only when something
     reads them (`keys`, `values`): in a prompt batch the rows that held something (prompts whose
     prefill is done) usually leave first, to decode, and the join would have copied them into a
-    new buffer only to copy them out again."""
+    new buffer only to copy them out again.
+
+    With `in_place` (the decoding rows' caches, `sparerows.py`) the arrays keep spare rows past
+    the ones in use: rows join into them and leave without a new array."""
 
     _host: tuple[mx.array, list[int]] | None = None
     _right: list[int] | None = None
+    in_place = False
     reads = 0
     """How often any such cache had to read its padding back (tests hold it at 0)."""
 
     @property
     def keys(self) -> Any:  # mlx-lm's: None until something is stored
-        if self.__dict__.get("_empty_rows"):
-            self._join_empty_rows()
-        return self.__dict__.get("keys")
+        return self._rows("keys")
 
     @keys.setter
     def keys(self, value: Any) -> None:
@@ -162,21 +167,40 @@ class HostPaddedKVCache(BatchKVCache):
 
     @property
     def values(self) -> Any:
-        if self.__dict__.get("_empty_rows"):
-            self._join_empty_rows()
-        return self.__dict__.get("values")
+        return self._rows("values")
 
     @values.setter
     def values(self, value: Any) -> None:
         self.__dict__["values"] = value
 
-    def _join_empty_rows(self) -> None:
-        """The rows that joined holding nothing, now in the arrays (zeros, all padding)."""
+    def _rows(self, name: str) -> Any:
+        """The array `name` for the rows in use: rows that joined holding nothing, past the
+        array's own, join it now (zeros, all padding); spare rows past them are left out."""
         held = self.__dict__
-        n = held.pop("_empty_rows")
-        keys, values = held["keys"], held["values"]
-        held["keys"] = joined(keys, None, 0, 0, (keys.shape[0], n))
-        held["values"] = joined(values, None, 0, 0, (values.shape[0], n))
+        a = held.get(name)
+        if a is None:
+            return None
+        rows = self.offset.shape[0]
+        if a.shape[0] < rows:
+            a = held[name] = joined(a, None, 0, 0, (a.shape[0], rows - a.shape[0]))
+        return a if a.shape[0] == rows else a[:rows]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
+        held = self.__dict__
+        stored = held.get("keys")
+        rows, prev, n = keys.shape[0], self._idx, keys.shape[2]
+        if stored is None or stored.shape[0] <= rows:
+            return super().update_and_fetch(keys, values)  # type: ignore[no-untyped-call]
+        # Spare rows: mlx-lm's update, into the rows in use, growing every row alike.
+        if prev + n > stored.shape[2]:
+            width = (stored.shape[2] if prev % self.step == 0 else prev) + -(-n // self.step) * self.step
+            held["keys"] = grown(stored, keys, stored.shape[0], prev, width)
+            held["values"] = grown(held["values"], values, stored.shape[0], prev, width)
+        self.offset = self.offset + n
+        self._idx += n
+        held["keys"][:rows, :, prev : self._idx, :] = keys
+        held["values"][:rows, :, prev : self._idx, :] = values
+        return self.keys_and_values()  # type: ignore[no-untyped-call]
 
     def known_padding(self) -> list[int] | None:
         """Each row's left padding if the host knows it (None: the array is not one it mirrors)."""
@@ -233,14 +257,26 @@ class HostPaddedKVCache(BatchKVCache):
         held = self.__dict__
         if (JOIN_ONCE and theirs is not None and held.get("keys") is not None and other.keys is None
                 and other._idx == 0 and not any(theirs)):
-            held["_empty_rows"] = held.get("_empty_rows", 0) + len(theirs)  # joined when read
+            # Joined as zeros when read, or into spare rows (all padding: what they hold is masked).
             self.offset = mx.concatenate([self.offset, other.offset])
             self._set_padding(mine + [self._idx] * len(theirs))
             return
+        if (self.in_place and theirs is not None and shift_mine == 0 and held.get("keys") is not None
+                and held["keys"].shape[0] >= len(mine) + len(theirs)):
+            for name in ("keys", "values"):  # into spare rows, in place
+                part = getattr(other, name)
+                if part is not None:
+                    held[name][len(mine) : len(mine) + len(theirs), :, shift_theirs : self._idx, :] = (
+                        part[..., : other._idx, :])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            self._set_padding(mine + [p + shift_theirs for p in theirs])
+            return
         if JOIN_ONCE and theirs is not None and (self.keys is not None or other.keys is not None):
             rows = (len(mine), len(theirs))  # a side that holds nothing yet joins as zeros
-            self.keys, self.values = (joined(self.keys, other.keys, shift_mine, shift_theirs, rows),
-                                      joined(self.values, other.values, shift_mine, shift_theirs, rows))
+            spare = sparerows.spare(sum(rows)) if self.in_place else 0
+            shifts = (shift_mine, shift_theirs)
+            self.keys, self.values = (joined(self.keys, other.keys, *shifts, rows, spare),
+                                      joined(self.values, other.values, *shifts, rows, spare))
             self.offset = mx.concatenate([self.offset, other.offset])
             self._idx = top
         else:
@@ -261,19 +297,27 @@ class HostPaddedKVCache(BatchKVCache):
         kept = [padding[i] for i in keep]
         shift = min(kept, default=0)  # the padding every row shares goes
         held = self.__dict__
-        empty = held.pop("_empty_rows", 0)
+        stored: Any = held.get("keys")
+        runs = sparerows.moves(keep) if self.in_place and stored is not None else None
         if self._idx == shift:
             # The rows that stay hold nothing (prompts that have not started, beside ones that
             # left to join; rows that joined holding nothing among them): no buffer, so that
             # their first chunk is padded on the left and written without growing one, not
             # right-padded, grown and rolled.
             held["keys"] = held["values"] = None
-        else:
-            if any(i >= len(padding) - empty for i in keep):
-                held["_empty_rows"] = empty  # they stay beside held rows: joined as read below
-            if self.keys is not None:
-                self.keys = kept_rows(self.keys, keep, shift)
-                self.values = kept_rows(self.values, keep, shift)
+        elif runs is not None and stored.shape[0] <= len(keep) + sparerows.spare(len(keep)):
+            # Rows from the end fill the places of rows that left; the array keeps its rows.
+            for name in ("keys", "values"):
+                held[name] = sparerows.moved(held[name], runs, self._settles())
+            if shift * sparerows.TRIM_SHARE < self._idx:
+                shift = 0  # the shared padding stays, masked, until trimming it pays
+            for name in ("keys", "values"):
+                held[name] = sparerows.trimmed(held[name], len(keep), shift, self._idx)
+        elif stored is not None:
+            # Rows that joined holding nothing and stay beside held rows join the arrays first.
+            whole = any(i >= stored.shape[0] for i in keep)
+            for name in ("keys", "values"):
+                held[name] = kept_rows(self._rows(name) if whole else held[name], keep, shift)
         self.offset = self.offset[host_ints(keep)]
         self._idx -= shift
         self._set_padding([p - shift for p in kept])
@@ -286,21 +330,28 @@ class HostPaddedKVCache(BatchKVCache):
         cache.keys = mx.contiguous(keys[idx : idx + 1, :, start : self._idx])
         cache.values = mx.contiguous(values[idx : idx + 1, :, start : self._idx])
         cache.offset = cache.keys.shape[2]
+        if self._settles():
+            # A copy still to make reads the arrays, and so would copy them at the next move.
+            mx.eval(cache.keys, cache.values)
         return cache
+
+    def _settles(self) -> bool:
+        """Whether rows moved in place are computed first (`sparerows.SETTLE`)."""
+        return self.in_place and (on_cpu() if sparerows.SETTLE is None else sparerows.SETTLE)
 
 
 def joined(a: mx.array | None, b: mx.array | None, shift_a: int, shift_b: int,
-           rows: tuple[int, int]) -> mx.array:
+           rows: tuple[int, int], spare: int = 0) -> mx.array:
     """`BatchKVCache.extend`'s keys or values: `a`'s rows then `b`'s (`rows` of each), each moved
-    right by its shift, in the longer of the two lengths, zeros elsewhere; a side that is None
-    (its caches hold nothing yet) is all zeros. mlx-lm pads each side into an array of its own
-    (an empty side too) and concatenates those; here each side that holds anything is copied
-    once, into one zeroed array."""
+    right by its shift, in the longer of the two lengths, zeros elsewhere, and `spare` rows of
+    zeros after them; a side that is None (its caches hold nothing yet) is all zeros. mlx-lm
+    pads each side into an array of its own (an empty side too) and concatenates those; here
+    each side that holds anything is copied once, into one zeroed array."""
     sides = ((0, a, shift_a), (rows[0], b, shift_b))
     parts = [(start, p, shift) for start, p, shift in sides if p is not None]
     like = parts[0][1]
     size = max(p.shape[2] for _, p, _ in parts)
-    out = mx.zeros((rows[0] + rows[1], like.shape[1], size, like.shape[3]), like.dtype)
+    out = mx.zeros((rows[0] + rows[1] + spare, like.shape[1], size, like.shape[3]), like.dtype)
     for start, part, shift in parts:
         n = min(part.shape[2], size - shift)  # what lies past the longer length is capacity
         out[start : start + part.shape[0], :, shift : shift + n, :] = part[..., :n, :]
