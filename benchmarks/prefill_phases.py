@@ -161,7 +161,7 @@ def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
     hostpad.SHARE_HOST_ARRAYS = flag != "perlayer"
     hostpad.SHARE_POSITIONS = flag != "apart"
     hostpad.JOIN_ONCE = flag != "padjoin"
-    sparerows.ENABLED = flag != "copyrows"
+    sparerows.ENABLED = False if flag == "copyrows" else None
     padded_attention.GROUPED = flag != "mlxchunk"
     fused.RAGGED = flag != "padded"
     pad = getattr(args, "prefill_pad", "auto")  # kernel_trace.py's arguments have none

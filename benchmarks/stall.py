@@ -334,7 +334,7 @@ def compare(args: argparse.Namespace) -> None:
             hostpad.SHARE_HOST_ARRAYS = "perlayer" not in flags
             hostpad.SHARE_POSITIONS = "apart" not in flags
             hostpad.JOIN_ONCE = "padjoin" not in flags
-            sparerows.ENABLED = "copyrows" not in flags
+            sparerows.ENABLED = False if "copyrows" in flags else None
             padded_attention.ENABLED = "mlxattn" not in flags
             padded_attention.GROUPED = "mlxchunk" not in flags
             fused.RAGGED = "padded" not in flags
@@ -350,7 +350,7 @@ def compare(args: argparse.Namespace) -> None:
                 hostpad.ENABLED = True
                 hostpad.COPY_RUNS = True
                 hostpad.SHARE_HOST_ARRAYS = hostpad.SHARE_POSITIONS = hostpad.JOIN_ONCE = True
-                sparerows.ENABLED = True
+                sparerows.ENABLED = None
                 padded_attention.ENABLED = padded_attention.GROUPED = fused.RAGGED = True
                 PipelinedPrefill._fresh = fresh  # type: ignore[method-assign]
             traces.setdefault(variant, result.pop("itl_trace"))

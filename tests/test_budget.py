@@ -12,7 +12,7 @@ from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from scheduler.assembly import real_engine_factory
 from tests.fakes import FakeEngine, fake_factory, fake_token
 from tests.test_integration import prompts
-from workers.batching.budget import AUTO_MIN_CAP, AUTO_MIN_TOKENS, AUTO_TOKENS_PER_SLOT, PrefillBudget
+from workers.batching.budget import AUTO_MAX_DEMANDS, AUTO_MIN_TOKENS, AUTO_START, PrefillBudget
 from workers.batching.choices import cadence
 from workers.batching.engine import MLXEngine
 from workers.batching.mlxlm import queue_sizes
@@ -49,7 +49,7 @@ def test_a_granule_rounds_bounded_chunks_down_to_whole_multiples() -> None:
 
 def test_auto_budget_keeps_a_full_batch_fed_and_fills_free_slots() -> None:
     b = PrefillBudget("auto", max_chunk=512, max_prompts=8, max_batch=64)
-    assert b.tokens() == max(AUTO_MIN_CAP, AUTO_TOKENS_PER_SLOT * 64)  # before any prompt was seen
+    assert b.tokens() == AUTO_START  # before any prompt was seen
     for _ in range(30):
         b.inserted(prompt_tokens=40, max_tokens=64)  # each of 64 slots frees a slot every 64 steps
     assert b.tokens() == 50  # 1.25 x 40 prompt tokens a step keeps up
@@ -61,15 +61,16 @@ def test_auto_budget_keeps_a_full_batch_fed_and_fills_free_slots() -> None:
     assert b.tokens() == AUTO_MIN_TOKENS
 
 
-def test_auto_budget_is_capped_per_batch_slot() -> None:
-    # Prompts much longer than outputs: keeping the batch full would take 1.25 x 800 tokens a
-    # step, a step several decode steps long; the cap keeps every step about alike instead.
+def test_auto_budget_follows_the_demand_and_fills_a_burst_at_most_one_more_demand_a_step() -> None:
+    # Prompts much longer than outputs: keeping the batch full takes 1.25 x 800 x slots / 64
+    # tokens a step, however long that step is; below it prompts would queue for good.
     for slots in (8, 64, 256):
         b = PrefillBudget("auto", max_chunk=512, max_prompts=8, max_batch=slots)
         b.inserted(prompt_tokens=800, max_tokens=64)
-        cap = max(AUTO_MIN_CAP, AUTO_TOKENS_PER_SLOT * slots)
-        assert b.tokens() == b.tokens(room=30, waiting=30) == cap
-        assert cap < 1.25 * 800 * slots / 64
+        demand = int(1.25 * 800 * slots / 64)
+        assert b.tokens() == max(AUTO_MIN_TOKENS, demand)
+        assert b.tokens(room=slots, waiting=slots) == max(AUTO_MIN_TOKENS, AUTO_MAX_DEMANDS * demand)
+        assert b.tokens(room=1, waiting=1) == max(AUTO_MIN_TOKENS, demand + 800 // 16)
 
 
 @pytest.mark.parametrize("limit", [0, -1, "fast", 1.5])

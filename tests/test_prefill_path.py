@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from workers.batching import fused
-from workers.batching.budget import AUTO_MIN_CAP
+from workers.batching.budget import PrefillBudget
 from workers.batching.choices import AUTO_PAD, fuses, pads
 from workers.batching.engine import MLXEngine
 from workers.batching.mlxlm import generation_batch
@@ -174,7 +174,12 @@ def test_a_row_removed_while_it_joins_leaves_nothing_behind(tiny_model: Any) -> 
     assert e.held() == 0 and e.rids() == []
 
 
-def test_the_default_budget_bounds_every_step_that_others_decode_in(tiny_model: Any) -> None:
+def test_the_default_budget_bounds_every_step_that_others_decode_in(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    budgets: list[int | None] = []  # what "auto" allowed for each step's plan
+    tokens = PrefillBudget.tokens
+    monkeypatch.setattr(PrefillBudget, "tokens", lambda self, **kw: budgets.append(tokens(self, **kw)) or budgets[-1])
     e = MLXEngine(tiny_model, vocab_size=256, max_batch=6, prefill_batch=4, prefill_step=64)  # "auto"
     admits = workload(16, seed=3)
     e.insert(admits[:6])
@@ -185,12 +190,13 @@ def test_the_default_budget_bounds_every_step_that_others_decode_in(tiny_model: 
         e.insert(later[:1])
         later = later[1:]
         decoding = len(generation_batch(e._gen)) > 0
+        budgets.clear()
         r = e.step()
         if decoding:
             busy.append(r.prefill_tokens)
+            assert r.prefill_tokens <= max((b for b in budgets if b is not None), default=0)
         for rid, tok in zip(r.rids, r.tokens, strict=True):
             out[rid].append(tok)
-    assert max(busy) <= AUTO_MIN_CAP  # the cap for 6 slots
     assert sum(1 for n in busy if n > 0) > 10  # prefill did go on beside decoding
     assert all(len(out[a.rid]) == a.max_tokens for a in admits)
 

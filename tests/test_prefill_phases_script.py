@@ -20,9 +20,9 @@ def _args() -> argparse.Namespace:
 
 
 @pytest.mark.parametrize(("variant", "shared", "once", "spare"), [
-    ("64", True, True, True), ("64:apart", False, True, True), ("auto:padjoin", True, False, True),
+    ("64", True, True, None), ("64:apart", False, True, None), ("auto:padjoin", True, False, None),
     ("64:copyrows", True, True, False)])
-def test_a_variants_flag_switches_what_it_names(variant: str, shared: bool, once: bool, spare: bool,
+def test_a_variants_flag_switches_what_it_names(variant: str, shared: bool, once: bool, spare: bool | None,
                                                 tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     phases = load_script(SCRIPT, "prefill_phases_script")
     for name in ("SHARE_POSITIONS", "JOIN_ONCE", "SHARE_HOST_ARRAYS"):

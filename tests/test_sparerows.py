@@ -42,6 +42,12 @@ def test_holes_are_filled_from_the_end_and_the_rest_keep_their_places() -> None:
     assert sparerows.moves([1, 0]) is None  # a row moving within the rows kept
 
 
+def test_a_new_array_gets_a_quarter_more_rows_spare_up_to_the_batchs_most() -> None:
+    assert sparerows.spare(8) == 2 and sparerows.spare(9) == 3
+    assert sparerows.spare(60, most=64) == 4 and sparerows.spare(64, most=64) == 0
+    assert sparerows.spare(40, most=0) == 10  # most not known
+
+
 def test_moved_rows_land_in_place_and_the_rest_stay() -> None:
     a = mx.arange(6 * 2 * 3 * 1).reshape(6, 2, 3, 1)
     before = a.tolist()
@@ -124,6 +130,7 @@ def test_an_engine_whose_rows_join_and_leave_in_place_gives_the_tokens_of_copied
     from tests.test_prefill_path import engine, run, workload
 
     joins: list[bool] = []  # per decoding-rows join: whether it wrote into the array it had
+    made: list[tuple[int, int]] = []  # per new array: its rows (spare included), the rows in use
     extend = hostpad.HostPaddedKVCache.extend
 
     def watched(self: Any, other: Any) -> None:
@@ -131,11 +138,17 @@ def test_an_engine_whose_rows_join_and_leave_in_place_gives_the_tokens_of_copied
         extend(self, other)
         if self.in_place and before is not None:
             joins.append(self.__dict__.get("keys") is before)
+            if not joins[-1]:
+                made.append((self.__dict__["keys"].shape[0], self.offset.shape[0]))
 
     monkeypatch.setattr(hostpad.HostPaddedKVCache, "extend", watched)
+    monkeypatch.setattr(sparerows, "ENABLED", True)  # the default on the CPU only
     admits = workload(40, seed=4)
     in_place = run(engine(tiny_model, True, budget=budget), admits)
     assert sum(joins) >= 3 and not all(joins)  # spare rows taken, and new arrays made when short
+    # new arrays get spare rows up to max_batch, never past it (the rows in use may be more:
+    # rows join as others finish)
+    assert any(r > used for r, used in made) and all(r <= max(6, used) for r, used in made)
     monkeypatch.setattr(sparerows, "ENABLED", False)
     joins.clear()
     copied = run(engine(tiny_model, True, budget=budget), admits)

@@ -111,8 +111,9 @@ class WorkerSection(_Section):
     then goes ahead of every later arrival (no prompt waits forever behind shorter ones)."""
     step_token_budget: Annotated[int, msgspec.Meta(ge=0)] | Literal["auto"] = "auto"
     """Prompt tokens prefilled per engine step while others decode: bounds their inter-token
-    latency (stall-free batching). "auto": on CPU, what keeps a full batch fed, spread over steps,
-    at most max(64, max_batch) tokens; on a GPU, off. 0 turns the bound off."""
+    latency (stall-free batching). "auto": on CPU, what keeps a full batch fed (prompt tokens of
+    the rows that finish a step, with headroom, plus free slots filled, at most twice that),
+    spread over steps; on a GPU, off. 0 turns the bound off."""
     prefill_every: PositiveInt | Literal["auto"] = "auto"
     """Under a `step_token_budget`, while others decode, prefill plans up to this many steps'
     budget at once, in whole prompts, and the steps after it only decode for as long as its tokens

@@ -17,19 +17,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-AUTO_TOKENS_PER_SLOT = 1
-AUTO_MIN_CAP = 64
-"""The auto budget's cap: `AUTO_TOKENS_PER_SLOT` prompt tokens per step for each batch slot
-(`max_batch`), at least `AUTO_MIN_CAP`. Below the fed batch's demand every step prefills about
-the same amount, so steps stay alike and no one step stalls the streams; the cap keeps a step's
-prefill to about what its decode computes, so even a compute-bound model's step at most about
-doubles. Measured on the 2-core CPU machine with prompts of 64-512 tokens at 32 and 64 streams
-(docs/stalls.md): 64 tokens a step kept ITL p99 within 1.5-2.4x its p50 on `synthetic:small` and
-`llama-h512-l8`; 128 at 64 streams let `llama-h512-l8` reach 3.3-3.6x. Where the demand is
-above the cap, prompts queue: in such a closed loop's steady state the TTFT p99 was 1.2-2.4x
-budget 0's. A budget at the demand fixed that on `synthetic:small`, but on `llama-h512-l8` every
-join into the fuller batch (which rebuilds its keys and values) cost up to 153 ms a step, and
-ITL p99 passed 3.6x its p50 at 64 streams."""
+AUTO_START = 64
+"""The auto budget before any prompt was inserted (nothing to size the demand from yet)."""
+AUTO_MAX_DEMANDS = 2
+"""Free slots with prompts waiting are filled at most as fast as one more demand's worth a step:
+a burst of arrivals does not turn the steps of the rows already decoding into full-speed passes."""
 AUTO_MIN_TOKENS = 32
 """The auto budget's floor: a short prompt still joins in one step."""
 EMA = 0.2
@@ -43,12 +35,14 @@ pieces make prefill less efficient."""
 
 class PrefillBudget:
     """`limit`: a fixed number of tokens, 0 (off: the generator's own `prefill_step` chunks), or
-    "auto": what keeps the batch fed, spread evenly over steps, capped (`AUTO_TOKENS_PER_SLOT`,
-    `AUTO_MIN_CAP`) and at least `AUTO_MIN_TOKENS`. A full batch of `max_batch` sequences of
-    about `output_tokens` each frees a slot every `output_tokens / max_batch` steps; replacing it
-    takes `prompt_tokens` of prefill (with headroom). Free slots with prompts waiting are filled
-    within `FILL_STEPS` steps. Measured step times are not used: with MLX's pipelined decoding,
-    one step's wall time says little about its own work (notably on GPUs)."""
+    "auto": what keeps the batch fed (the demand), spread evenly over steps, at least
+    `AUTO_MIN_TOKENS`. A full batch of `max_batch` sequences of about `output_tokens` each frees
+    a slot every `output_tokens / max_batch` steps; replacing it takes `prompt_tokens` of prefill
+    (with headroom). Free slots with prompts waiting are filled within `FILL_STEPS` steps, at
+    most `AUTO_MAX_DEMANDS` demands a step. Below the demand prompts queue, and in a closed
+    loop's steady state a queue is TTFT (a cap of 64 tokens a step gave 1.2-2.4x budget 0's TTFT
+    p99 on the CPU, docs/stalls.md). Measured step times are not used: with MLX's pipelined
+    decoding, one step's wall time says little about its own work (notably on GPUs)."""
 
     def __init__(
         self, limit: int | str, *, max_chunk: int, max_prompts: int, max_batch: int = 64,
@@ -87,12 +81,11 @@ class PrefillBudget:
             return None
         if isinstance(self._limit, int):
             return self._limit
-        cap = max(AUTO_MIN_CAP, AUTO_TOKENS_PER_SLOT * self._max_batch)
         if self.prompt_tokens is None or self.output_tokens is None:
-            return cap
+            return AUTO_START
         demand = DEMAND_HEADROOM * self.prompt_tokens * self._max_batch / self.output_tokens
         backlog = min(room, waiting) * self.prompt_tokens / FILL_STEPS
-        return min(cap, max(AUTO_MIN_TOKENS, int(demand + backlog)))
+        return max(AUTO_MIN_TOKENS, int(min(demand + backlog, AUTO_MAX_DEMANDS * demand)))
 
     def rests(self, *, decoding: int) -> bool:
         """Whether the next step only decodes: with a bound, while rows decode, a plan of up to

@@ -21,7 +21,8 @@ the list of rows (`keys[keep]`), which MLX runs as its generic gather: on an H10
 they form (rows that joined together tend to leave together), with the trimmed padding sliced
 off in the same copy: a quarter to three quarters of the gather's time for one or two runs
 (`benchmarks/cache_filter.py`). A single run is a view of the old arrays, rows that left
-included, until the next write or join copies it.
+included, until the next write or join copies it. On the CPU the decoding rows' caches go further
+and keep their arrays when rows join or leave (`in_place`, `sparerows.py`).
 
 **Host arrays, once a batch.** A batch has one cache a layer, and mlx-lm changes them one layer
 at a time: each call that makes an array from Python values (the rows kept, their padding, a
@@ -52,8 +53,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from workers.batching import sparerows
 from workers.batching.hostcheck import mismatch
-from workers.batching.sparerows import grown
-from workers.loading.dtypes import on_cpu
+from workers.batching.sparerows import joined
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -154,6 +154,8 @@ class HostPaddedKVCache(BatchKVCache):
     _host: tuple[mx.array, list[int]] | None = None
     _right: list[int] | None = None
     in_place = False
+    max_rows = 0
+    """Rows the batch never holds more of (0: not known): spare rows stop there."""
     reads = 0
     """How often any such cache had to read its padding back (tests hold it at 0)."""
 
@@ -188,18 +190,12 @@ class HostPaddedKVCache(BatchKVCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
         held = self.__dict__
         stored = held.get("keys")
-        rows, prev, n = keys.shape[0], self._idx, keys.shape[2]
-        if stored is None or stored.shape[0] <= rows:
+        prev, n = self._idx, keys.shape[2]
+        if stored is None or stored.shape[0] <= keys.shape[0]:
             return super().update_and_fetch(keys, values)  # type: ignore[no-untyped-call]
-        # Spare rows: mlx-lm's update, into the rows in use, growing every row alike.
-        if prev + n > stored.shape[2]:
-            width = (stored.shape[2] if prev % self.step == 0 else prev) + -(-n // self.step) * self.step
-            held["keys"] = grown(stored, keys, stored.shape[0], prev, width)
-            held["values"] = grown(held["values"], values, stored.shape[0], prev, width)
+        sparerows.write(held, keys, values, prev, self.step)  # spare rows: into the rows in use
         self.offset = self.offset + n
         self._idx += n
-        held["keys"][:rows, :, prev : self._idx, :] = keys
-        held["values"][:rows, :, prev : self._idx, :] = values
         return self.keys_and_values()  # type: ignore[no-untyped-call]
 
     def known_padding(self) -> list[int] | None:
@@ -273,7 +269,7 @@ class HostPaddedKVCache(BatchKVCache):
             return
         if JOIN_ONCE and theirs is not None and (self.keys is not None or other.keys is not None):
             rows = (len(mine), len(theirs))  # a side that holds nothing yet joins as zeros
-            spare = sparerows.spare(sum(rows)) if self.in_place else 0
+            spare = sparerows.spare(sum(rows), self.max_rows) if self.in_place else 0
             shifts = (shift_mine, shift_theirs)
             self.keys, self.values = (joined(self.keys, other.keys, *shifts, rows, spare),
                                       joined(self.values, other.values, *shifts, rows, spare))
@@ -305,7 +301,7 @@ class HostPaddedKVCache(BatchKVCache):
             # their first chunk is padded on the left and written without growing one, not
             # right-padded, grown and rolled.
             held["keys"] = held["values"] = None
-        elif runs is not None and stored.shape[0] <= len(keep) + sparerows.spare(len(keep)):
+        elif runs is not None and stored.shape[0] <= sparerows.SHRINK_AT * len(keep):
             # Rows from the end fill the places of rows that left; the array keeps its rows.
             for name in ("keys", "values"):
                 held[name] = sparerows.moved(held[name], runs, self._settles())
@@ -336,26 +332,8 @@ class HostPaddedKVCache(BatchKVCache):
         return cache
 
     def _settles(self) -> bool:
-        """Whether rows moved in place are computed first (`sparerows.SETTLE`)."""
-        return self.in_place and (on_cpu() if sparerows.SETTLE is None else sparerows.SETTLE)
-
-
-def joined(a: mx.array | None, b: mx.array | None, shift_a: int, shift_b: int,
-           rows: tuple[int, int], spare: int = 0) -> mx.array:
-    """`BatchKVCache.extend`'s keys or values: `a`'s rows then `b`'s (`rows` of each), each moved
-    right by its shift, in the longer of the two lengths, zeros elsewhere, and `spare` rows of
-    zeros after them; a side that is None (its caches hold nothing yet) is all zeros. mlx-lm
-    pads each side into an array of its own (an empty side too) and concatenates those; here
-    each side that holds anything is copied once, into one zeroed array."""
-    sides = ((0, a, shift_a), (rows[0], b, shift_b))
-    parts = [(start, p, shift) for start, p, shift in sides if p is not None]
-    like = parts[0][1]
-    size = max(p.shape[2] for _, p, _ in parts)
-    out = mx.zeros((rows[0] + rows[1] + spare, like.shape[1], size, like.shape[3]), like.dtype)
-    for start, part, shift in parts:
-        n = min(part.shape[2], size - shift)  # what lies past the longer length is capacity
-        out[start : start + part.shape[0], :, shift : shift + n, :] = part[..., :n, :]
-    return out
+        """Whether rows moved in place are computed first (`sparerows.settles`)."""
+        return self.in_place and sparerows.settles()
 
 
 def runs(rows: list[int]) -> list[tuple[int, int]]:

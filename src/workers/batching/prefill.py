@@ -215,6 +215,8 @@ class JoiningBatch(GenerationBatch):
     partner: PipelinedPrefill | None = None
     """The prompt batch whose left chunk (`PipelinedPrefill.fuse`) each decode step carries."""
     chunks_carried = 0
+    max_rows = 0
+    """The most rows the generator lets decode at once (its `completion_batch_size`; 0: not known)."""
     ropes: list[Any] = []  # noqa: RUF012 - set per batch by `install`; never mutated
     """The model's rope modules that rotate a step's layers with one table (`rope.modules`)."""
     _stepping = False
@@ -276,7 +278,7 @@ class JoiningBatch(GenerationBatch):
         share(self.prompt_cache)
         for c in self.prompt_cache:  # from now on rows join and leave in place (`sparerows.py`)
             if isinstance(c, HostPaddedKVCache):
-                c.in_place = sparerows.ENABLED
+                c.in_place, c.max_rows = sparerows.enabled(), self.max_rows
         self._priming.extend(getattr(batch, "_priming", [False] * len(batch.uids)))
         if alone and any(self._priming):
             # No decoding rows to share the pass with: feed the last prompt tokens now, as
@@ -389,6 +391,7 @@ def install(gen: Any, *, fuse: bool = False, pad_to: int = 0) -> PipelinedPrefil
     gen._prompt_batch = batch
     gen._generation_batch = JoiningBatch.empty(gen.model, gen.sampler)
     gen._generation_batch.ropes = batch.ropes
+    gen._generation_batch.max_rows = int(getattr(gen, "completion_batch_size", 0))
     if fuse:
         gen._generation_batch.partner = batch
     return batch

@@ -4,51 +4,76 @@ A batch cache holds every layer's keys and values as one array a layer, a row a 
 makes a new array whenever rows join (`extend`: both sides padded into a new buffer) and whenever
 rows leave (`filter`: the rows that stay gathered into a new one), so each join and each leave
 copies every layer's keys and values for the whole batch. On a 2-core CPU that copy was 50 ms of
-a 345 ms step at 64 rows of the `llama-h512-l8` shape (about 800 MB), and the rows that join a
-continuous batch arrive on most steps: the join, not the prefill, kept a prefill budget from
-following the demand (docs/stalls.md).
+a 345 ms step at 64 rows of the `llama-h512-l8` shape (about 800 MB), and in a continuous batch
+rows join and leave on most steps: it kept a prefill budget from following the demand on a
+compute-bound model (docs/stalls.md).
 
 Here the decoding rows' arrays keep their rows when rows leave (spare rows, past the ones in
 use), and rows that join are written into spare rows: MLX writes a slice of an array in place
 when nothing else holds the array, as mlx-lm's own `update_and_fetch` relies on. Rows that leave
 from the middle are filled from the end (`holes_filled`: the batch's row order changes, each row's
 cache moving with it), so that the rows in use stay the array's first rows and a decode step reads
-them as a view. Two things can still copy the batch:
+them as a view. What can still copy the batch:
 
 - **A row moved into a hole** reads the same array it writes. MLX writes in place only when the
-  array has no other reader at the time it plans the write, and the rows read for the move are
-  still being read then: unless they were computed before (`settle`), MLX copies the whole array
-  once. Settling waits for the step in flight, which costs the host its head start (little on
-  the CPU, where the step's compute dominates; on a GPU the copy is the cheaper of the two).
+  array has no other reader at the time it plans the write: unless the rows to move, and the
+  finished rows' caches extracted just before, were computed first (`settles`), MLX copies the
+  whole array once. Computing first waits for the step in flight, which costs the host its head
+  start: little on the CPU, where the step's arithmetic dominates.
+- **A join without a spare row** (or of a prompt longer than the batch) makes a new array, with
+  `SPARE_SHARE` more rows spare; the array shrinks back only at `SHRINK_AT`.
 - **The shared padding** that rows leave behind is trimmed only once it is a quarter of the
   batch's length (`TRIM_SHARE`): trimming moves every row. Until then the decode steps attend
   over it, masked.
+
+On by default on the CPU only (`ENABLED`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+
+from workers.loading.dtypes import on_cpu
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-ENABLED = True
-"""Benchmarks turn it off to measure joins and leaves that copy the batch (mlx-lm's way)."""
+ENABLED: bool | None = None
+"""None: on the CPU only. On an H200 (bf16, 64 streams, budgets 0 and 1,024 a step planned one
+step in four) joins in place changed the tokens/s of `prefill_phases.py` by 0.95-1.07x, within
+the runs' noise: there a join's copy was already under a millisecond, and the spare rows cost
+memory. Benchmarks set it to measure either way side by side."""
 SETTLE: bool | None = None
 """Compute the rows to move before writing them (None: on the CPU only; see above)."""
 TRIM_SHARE = 4
 """Trim the shared padding once it is at least 1/TRIM_SHARE of the batch's length."""
 SPARE_SHARE = 4
-"""A join that makes a new array gives it 1/SPARE_SHARE more rows than it holds, spare; rows
-that leave keep theirs until the spare rows are more than that (then the rows in use are
-copied into an array of their own)."""
+"""A join that makes a new array gives it 1/SPARE_SHARE more rows than it holds, spare (up to
+the batch's most rows)."""
+SHRINK_AT = 2
+"""Rows that leave keep their places spare until the array has SHRINK_AT times the rows in use;
+then the rows in use are copied into an array of their own. Shrinking sooner (at a quarter
+spare) made the next join grow it again: on `llama-h512-l8` at 64 streams on the CPU most joins
+then copied the batch, each a step 2-3x the median (fresh pages for about 1 GB)."""
 
 
-def spare(rows: int) -> int:
-    """The spare rows an array of `rows` rows in use may keep."""
-    return -(-rows // SPARE_SHARE)
+def enabled() -> bool:
+    """Whether decoding rows join and leave in place (`ENABLED`)."""
+    return on_cpu() if ENABLED is None else ENABLED
+
+
+def settles() -> bool:
+    """Whether rows moved in place are computed first (`SETTLE`)."""
+    return on_cpu() if SETTLE is None else SETTLE
+
+
+def spare(rows: int, most: int = 0) -> int:
+    """The spare rows a new array for `rows` rows in use gets; `most`: the rows a batch never
+    exceeds (0: not known)."""
+    extra = -(-rows // SPARE_SHARE)
+    return min(extra, max(0, most - rows)) if most else extra
 
 
 def holes_filled(keep: Sequence[int]) -> list[int]:
@@ -107,4 +132,35 @@ def trimmed(a: mx.array, rows: int, shift: int, used: int) -> mx.array:
         return a
     out = mx.zeros((a.shape[0], a.shape[1], a.shape[2] - shift, a.shape[3]), a.dtype)
     out[:rows, :, : used - shift, :] = a[:rows, :, shift:used, :]
+    return out
+
+
+def write(held: dict[str, Any], keys: mx.array, values: mx.array, prev: int, step: int) -> None:
+    """mlx-lm's `update_and_fetch` write of new positions from `prev`, into the first rows of
+    arrays with spare rows (`held`: the cache's "keys" and "values"), growing every row alike by
+    `step` positions at a time as mlx-lm grows its own."""
+    rows, n, stored = keys.shape[0], keys.shape[2], held["keys"]
+    if prev + n > stored.shape[2]:
+        width = (stored.shape[2] if prev % step == 0 else prev) + -(-n // step) * step
+        held["keys"] = grown(stored, keys, stored.shape[0], prev, width)
+        held["values"] = grown(held["values"], values, stored.shape[0], prev, width)
+    held["keys"][:rows, :, prev : prev + n, :] = keys
+    held["values"][:rows, :, prev : prev + n, :] = values
+
+
+def joined(a: mx.array | None, b: mx.array | None, shift_a: int, shift_b: int,
+           rows: tuple[int, int], spare: int = 0) -> mx.array:
+    """`BatchKVCache.extend`'s keys or values: `a`'s rows then `b`'s (`rows` of each), each moved
+    right by its shift, in the longer of the two lengths, zeros elsewhere, and `spare` rows of
+    zeros after them; a side that is None (its caches hold nothing yet) is all zeros. mlx-lm
+    pads each side into an array of its own (an empty side too) and concatenates those; here
+    each side that holds anything is copied once, into one zeroed array."""
+    sides = ((0, a, shift_a), (rows[0], b, shift_b))
+    parts = [(start, p, shift) for start, p, shift in sides if p is not None]
+    like = parts[0][1]
+    size = max(p.shape[2] for _, p, _ in parts)
+    out = mx.zeros((rows[0] + rows[1] + spare, like.shape[1], size, like.shape[3]), like.dtype)
+    for start, part, shift in parts:
+        n = min(part.shape[2], size - shift)  # what lies past the longer length is capacity
+        out[start : start + part.shape[0], :, shift : shift + n, :] = part[..., :n, :]
     return out
