@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import random
 from typing import TYPE_CHECKING
 
 import anyio
+import mlx.core as mx
 import pytest
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, SchedulerStats
@@ -192,6 +194,10 @@ async def memory_ratios(cfg: SchedulerConfig, done: list[SchedulerStats] | None 
     jobs = [(tokens(rng.randint(50, 400), rng), SamplingParams(max_tokens=60, temperature=0.0))
             for _ in range(24)]
     ratios: list[float] = []
+    # MLX's active memory is the process's: arrays other tests left alive (a model a fixture
+    # holds, say) are not this scheduler's, and beside books of a few MB they would count.
+    gc.collect()
+    held_before = mx.get_active_memory()
     with anyio.fail_after(240):
         async with Scheduler(cfg) as s:
 
@@ -199,7 +205,7 @@ async def memory_ratios(cfg: SchedulerConfig, done: list[SchedulerStats] | None 
                 while True:
                     st = s.stats()
                     if st.active_bytes and st.kv_bytes and st.running >= 4:
-                        ratios.append((st.active_bytes - st.weights_bytes) / st.kv_bytes)
+                        ratios.append((st.active_bytes - held_before - st.weights_bytes) / st.kv_bytes)
                     await anyio.sleep(0.005)
 
             async with anyio.create_task_group() as tg:
@@ -220,8 +226,9 @@ async def test_books_track_mlx_memory(model_cache: Path, prefix_cache: bool, mem
     done: list[SchedulerStats] = []
     ratios = await memory_ratios(config(model_cache, mode="on-demand", memory=memory, block_tokens=32,
                                         prefix_cache=prefix_cache), done)
-    # Measured here: median 0.80-0.89, 90th percentile 0.86-0.98 (off and on alike; on: about
-    # 134 entries evicted). The rare peaks (up to ~2x) are the step in which a row joins the
+    # Measured here: median 0.82-0.86, 90th percentile 0.97-1.02 with the decoding rows in
+    # place and their spare rows (0.85-0.87 and 0.94-1.00 with rows copied; on: about 134
+    # entries evicted). The rare peaks (up to ~2x) are the step in which a row joins the
     # batch: mlx-lm concatenates the batch cache then.
     assert ratios[len(ratios) // 2] <= 1.1, ratios
     assert ratios[int(0.9 * (len(ratios) - 1))] <= 1.2, ratios

@@ -8,20 +8,10 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import BatchKVCache
 
+from tests.test_hostpad import filled
 from workers.batching import hostpad, sparerows
 from workers.batching.hostpad import host_padded
-
-
-def filled(padding: list[int], steps: int, seed: int) -> Any:
-    cache: Any = BatchKVCache(padding)
-    rng = mx.random.key(seed)
-    for _ in range(steps):
-        rng, k = mx.random.split(rng)
-        kv = mx.random.normal((len(padding), 2, 1, 4), key=k)
-        cache.update_and_fetch(kv, kv * 2)
-    return cache
 
 
 def twin(padding: list[int], steps: int, seed: int, *, in_place: bool = False) -> tuple[Any, Any]:
@@ -36,6 +26,7 @@ def test_holes_are_filled_from_the_end_and_the_rest_keep_their_places() -> None:
     assert sparerows.holes_filled([1, 2]) == [2, 1]
     assert sparerows.holes_filled([0, 1, 2]) == [0, 1, 2]
     assert sparerows.holes_filled([3, 1]) == [3, 1]  # an order asked for stays
+    assert sparerows.holes_filled([0, 3, 1]) == [0, 3, 1]
     assert sparerows.moves([0, 5, 2, 3, 6]) == [(1, 5, 1), (4, 6, 1)]
     assert sparerows.moves([4, 5, 2, 3]) == [(0, 4, 2)]
     assert sparerows.moves([0, 1]) == []
@@ -63,6 +54,7 @@ def test_rows_that_join_and_leave_in_place_hold_what_mlx_lms_rows_hold(
     """A continuous batch: rows leave at random, prefilled rows join, every step writes; each
     row (followed by its id through the reordering) keeps mlx-lm's keys, values and offset."""
     monkeypatch.setattr(sparerows, "SETTLE", settle)
+    monkeypatch.setattr(sparerows, "SHRINK_AT", 2)  # a batch of a few rows: spare rows kept longer
     rng = random.Random(5)
     theirs, ours = twin([2, 0, 4, 1, 3, 0], steps=7, seed=1, in_place=True)
     their_ids = our_ids = list(range(6))

@@ -264,6 +264,7 @@ class MLXEngine:
             return self._decode_only(alone.next_alone)
         sizes = queue_sizes(gen)
         decoding = sizes.decoding
+        generation_batch(gen).joins_waiting = sizes.prefilling + sizes.waiting > 0
         if self._budget.rests(decoding=decoding):  # a decode step only: no prompt starts or joins
             return self._decode_only(generation_batch(gen).next)
         if self._order is not None and sizes.waiting:

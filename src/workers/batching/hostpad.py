@@ -154,6 +154,9 @@ class HostPaddedKVCache(BatchKVCache):
     _host: tuple[mx.array, list[int]] | None = None
     _right: list[int] | None = None
     in_place = False
+    keep_spare = True
+    """With `in_place`: rows that leave keep their places spare (else the rows in use are copied
+    into arrays of their own, the shared padding trimmed, as mlx-lm's filter does)."""
     max_rows = 0
     """Rows the batch never holds more of (0: not known): spare rows stop there."""
     reads = 0
@@ -294,7 +297,7 @@ class HostPaddedKVCache(BatchKVCache):
         shift = min(kept, default=0)  # the padding every row shares goes
         held = self.__dict__
         stored: Any = held.get("keys")
-        runs = sparerows.moves(keep) if self.in_place and stored is not None else None
+        runs = sparerows.moves(keep) if self.in_place and self.keep_spare and stored is not None else None
         if self._idx == shift:
             # The rows that stay hold nothing (prompts that have not started, beside ones that
             # left to join; rows that joined holding nothing among them): no buffer, so that

@@ -217,6 +217,10 @@ class JoiningBatch(GenerationBatch):
     chunks_carried = 0
     max_rows = 0
     """The most rows the generator lets decode at once (its `completion_batch_size`; 0: not known)."""
+    joins_waiting = True
+    """Whether prompts wait to join (the engine sets it each step): rows that leave keep their
+    places spare only then; otherwise the rows in use get arrays of their own, as mlx-lm's do,
+    and memory does not hold rows nobody will take."""
     ropes: list[Any] = []  # noqa: RUF012 - set per batch by `install`; never mutated
     """The model's rope modules that rotate a step's layers with one table (`rope.modules`)."""
     _stepping = False
@@ -289,7 +293,10 @@ class JoiningBatch(GenerationBatch):
 
     def filter(self, keep: list[int]) -> None:
         if self.prompt_cache and getattr(self.prompt_cache[0], "in_place", False):
-            keep = sparerows.holes_filled(keep)  # rows from the end take the places of rows that left
+            for c in self.prompt_cache:
+                c.keep_spare = self.joins_waiting
+            if self.joins_waiting:
+                keep = sparerows.holes_filled(keep)  # rows from the end take the places of rows that left
         super().filter(keep)
         share(self.prompt_cache)
         self._priming = [self._priming[i] for i in keep]
