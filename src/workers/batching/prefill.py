@@ -44,7 +44,7 @@ from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
 
 from workers.batching import fused, sparerows
-from workers.batching.hostpad import HostPaddedKVCache, host_padded, merged_padding, share
+from workers.batching.hostpad import host_padded, merged_padding, share
 from workers.batching.mlxlm import missing_prefill_fields
 from workers.batching.rope import modules as rope_modules
 from workers.batching.rope import positions
@@ -280,9 +280,7 @@ class JoiningBatch(GenerationBatch):
         alone = not self.uids
         super().extend(batch)  # type: ignore[no-untyped-call]
         share(self.prompt_cache)
-        for c in self.prompt_cache:  # from now on rows join and leave in place (`sparerows.py`)
-            if isinstance(c, HostPaddedKVCache):
-                c.in_place, c.max_rows = sparerows.enabled(), self.max_rows
+        sparerows.adopt(self.prompt_cache, self.max_rows)
         self._priming.extend(getattr(batch, "_priming", [False] * len(batch.uids)))
         if alone and any(self._priming):
             # No decoding rows to share the pass with: feed the last prompt tokens now, as
@@ -292,11 +290,7 @@ class JoiningBatch(GenerationBatch):
             self._priming = [False] * len(self.uids)
 
     def filter(self, keep: list[int]) -> None:
-        if self.prompt_cache and getattr(self.prompt_cache[0], "in_place", False):
-            for c in self.prompt_cache:
-                c.keep_spare = self.joins_waiting
-            if self.joins_waiting:
-                keep = sparerows.holes_filled(keep)  # rows from the end take the places of rows that left
+        keep = sparerows.arranged(self.prompt_cache, keep, spare=self.joins_waiting)
         super().filter(keep)
         share(self.prompt_cache)
         self._priming = [self._priming[i] for i in keep]

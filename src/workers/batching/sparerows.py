@@ -78,6 +78,25 @@ def spare(rows: int, most: int = 0) -> int:
     return min(extra, max(0, most - rows)) if most else extra
 
 
+def adopt(caches: Sequence[Any], max_rows: int) -> None:
+    """The decoding rows' caches join and leave in place from now on, where `enabled()`: each
+    host-padded one (those with `in_place`) told so, and the most rows its batch holds."""
+    for c in caches:
+        if hasattr(c, "in_place"):
+            c.in_place, c.max_rows = enabled(), max_rows
+
+
+def arranged(caches: Sequence[Any], keep: list[int], *, spare: bool) -> list[int]:
+    """The rows a filter of the decoding rows keeps, in the order it takes them: with caches in
+    place and `spare` (prompts wait to join), rows from the end take the places of rows that
+    leave, whose places stay spare; else as asked, each cache then copying its rows in use."""
+    if not caches or not getattr(caches[0], "in_place", False):
+        return keep
+    for c in caches:
+        c.keep_spare = spare
+    return holes_filled(keep) if spare else keep
+
+
 def holes_filled(keep: Sequence[int]) -> list[int]:
     """The rows `keep` (ascending) names, ordered so that each row that stays past the first
     `len(keep)` fills the place of one that leaves before them; the rest keep their places. A
