@@ -95,6 +95,9 @@
 #               MIXED_ARGS=--vary: a new chunk length every step)
 #   side-stream benchmarks/side_stream.py: a prefill chunk ($SIDE_CHUNKS, prompts x tokens) queued on the
 #               decode's stream or on a stream of its own beside a pipelined decode of 64 rows
+#   prefill-thread benchmarks/prefill_thread.py: a pass of $THREAD_CHUNKS (prompts x tokens) queued on the
+#               decode's stream every 6 steps, or passes back to back on a second thread and stream,
+#               beside a pipelined decode of 64 rows: the decode's gaps, and the work both got done
 #   prefill-parts benchmarks/prefill_parts.py: one batched prefill pass of 8 prompts of 64-512 tokens,
 #               part by part, synchronized (plain pass, batch cache, right padding, finalize, join),
 #               with cuDNN's attention off (the default) and on (CUDNN="0 1")
@@ -174,6 +177,11 @@ from workers.loading.models import resolve_model; convert(str(resolve_model(sys.
         for c in ${SIDE_CHUNKS:-8x512 4x256}; do
           timeout "$limit" python3 -P benchmarks/side_stream.py --model "$(spec "$m")" --rows ${MIXED_ROWS:-64} \
             --chunk "$c" --steps 40 --at 10 --repeat ${REPEAT:-3} --out "$out/side-stream-$m-$c.json"
+        done ;;
+      prefill-thread)
+        for c in ${THREAD_CHUNKS:-8x512 4x512}; do
+          timeout "$limit" python3 -P benchmarks/prefill_thread.py --model "$(spec "$m")" --rows ${MIXED_ROWS:-64} \
+            --chunk "$c" --steps 200 --every 6 --repeat ${REPEAT:-3} --out "$out/prefill-thread-$m-$c.json"
         done ;;
       prefill-parts)
         for c in ${CUDNN:-0 1}; do
