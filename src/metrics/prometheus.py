@@ -120,6 +120,9 @@ class GaugeSource(Protocol):
     def padded_attention(self) -> bool: ...
 
     @property
+    def prefill_thread(self) -> bool: ...
+
+    @property
     def host_padding(self) -> bool: ...
 
     @property
@@ -271,6 +274,8 @@ class SchedulerMetrics:
              "(fused attention), 0 when the model's caches need it.", int(stats.mask_free_decode)),
             ("fused_prefill", "1 when a decode step's forward pass carries the next prefill chunk, "
              "0 when the chunk runs a pass of its own.", int(stats.fused_prefill)),
+            ("prefill_thread", "1 when prompts prefill on a thread of their own beside the decode "
+             "steps ([worker] prefill_thread), 0 when they prefill inside them.", int(stats.prefill_thread)),
             ("padded_attention", "1 on CUDA when padded decode rows' attention runs one kernel of "
              "ours rather than MLX's unfused masked path, else 0.", int(stats.padded_attention)),
             ("host_padding", "1 when rows that leave the batch do not wait for the device, 0 when "

@@ -30,6 +30,7 @@ def real_engine_factory(c: SchedulerConfig) -> EngineFactory[Loaded]:
         prefill_step=c.worker.prefill_step,
         step_token_budget=c.worker.step_token_budget,
         prefill_every=c.worker.prefill_every,
+        prefill_thread=c.worker.prefill_thread,
         prefill_chunks=c.worker.prefill_chunks,
         prefill_pack=c.worker.prefill_pack,
         prefill_order=c.worker.prefill_order,
@@ -66,6 +67,9 @@ def log_model_facts(loaded: Loaded) -> None:
     if loaded.fuse_unavailable:
         log.warning("fused_prefill_unavailable", model=info.name, reason=loaded.fuse_unavailable,
                     note="a step that prefills while others decode runs a forward pass of its own")
+    if loaded.prefill_thread_unavailable:
+        log.warning("prefill_thread_unavailable", model=info.name, reason=loaded.prefill_thread_unavailable,
+                    note="prompts prefill inside the decode steps")
     if loaded.padded_attention_unavailable:
         log.warning("padded_attention_unavailable", model=info.name,
                     reason=loaded.padded_attention_unavailable,
@@ -112,6 +116,7 @@ def build_stats(a: Admission, p: Pool, loaded: Loaded | None) -> SchedulerStats:
         padded_attention=loaded is not None and loaded.padded_attention,
         prefill_pad=loaded.prefill_pad if loaded else 0,
         prefill_every=loaded.prefill_every if loaded else 1,
+        prefill_thread=loaded is not None and loaded.prefill_thread,
         structured_output=loaded is None or not loaded.grammar_unavailable,
         cuda_settings_applied=loaded is None or not loaded.cuda_settings_late,
         blas=loaded.blas.library if loaded else "",

@@ -128,6 +128,10 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     prefill_every: int = 1
     """Under a step token budget, while others decode, prefill plans up to this many steps' budget
     at once, and rests while its tokens take (`[worker] prefill_every`; "auto": 4 on CUDA, else 1)."""
+    prefill_thread: bool = False
+    """True when prompts prefill on a thread of their own beside the decode steps (`[worker]
+    prefill_thread`, off by default); false when off, or when the model's caches cannot leave
+    and rejoin a batch (the log says so)."""
     host_padding: bool = True
     """False when rows that leave the batch wait for the device, as in mlx-lm's own loop (an
     mlx-lm whose batch cache changed; the log says what differs)."""

@@ -93,6 +93,10 @@ class Loaded(msgspec.Struct, frozen=True):
     """Prefill passes' prompts are right-padded to a multiple of this many tokens (0: not)."""
     prefill_every: int = 1
     """Under a step token budget, while others decode, prefill plans up to this many steps' budget."""
+    prefill_thread: bool = False
+    """Whether prompts prefill on a thread of their own (`prefill_thread.py`)."""
+    prefill_thread_unavailable: str = ""
+    """Why they cannot as `[worker] prefill_thread` asks ("" when they can, or it does not ask)."""
     host_padding_unavailable: str = ""
     """Why rows leaving the batch wait for the device, as in mlx-lm ("" when they do not)."""
     precision: Precision = Precision(dtype="")
@@ -114,6 +118,7 @@ def mlx_engine_factory(
     prefill_step: int,
     step_token_budget: int | str = "auto",
     prefill_every: int | str = "auto",
+    prefill_thread: bool = False,
     prefill_chunks: str = "auto",
     prefill_pack: bool = True,
     prefill_order: str = "arrival",
@@ -158,6 +163,7 @@ def mlx_engine_factory(
             prefill_step=prefill_step,
             step_token_budget=step_token_budget,
             prefill_every=prefill_every,
+            prefill_thread=prefill_thread,
             queue_chunks=prefill_chunks != "blocking",  # "auto": queued on every backend
             pack_prompts=prefill_pack,
             shortest_first=prefill_order == "length",
@@ -180,6 +186,8 @@ def mlx_engine_factory(
             padded_attention=engine.padded_attention,
             padded_attention_unavailable=engine.padded_attention_unavailable,
             prefill_pad=engine.prefill_pad, prefill_every=engine.prefill_every,
+            prefill_thread=engine.prefill_threaded,
+            prefill_thread_unavailable=engine.prefill_thread_unavailable,
             host_padding_unavailable=host_padding_unavailable(),
             precision=loaded_model.precision, blas=blas_state(),
             grammar_unavailable=grammar_unavailable, cuda_settings_late=cuda_late,

@@ -19,7 +19,7 @@ from workers.batching.contract import StepResult
 from workers.batching.fused import unfusable
 from workers.batching.grammar import GrammarRows
 from workers.batching.hostpad import forget_host_ints
-from workers.batching.kvstore import KVStore, LayerKV
+from workers.batching.kvstore import KVStore
 from workers.batching.logits import Wanted, processors
 from workers.batching.maskfree import MaskFreeDecode
 from workers.batching.mlxlm import (
@@ -35,6 +35,7 @@ from workers.batching.mlxlm import (
 from workers.batching.order import ShortestFirst
 from workers.batching.padded_attention import install as install_padded_attention
 from workers.batching.prefill import PipelinedPrefill, install
+from workers.batching.prefill_thread import Ahead, threaded
 from workers.batching.samplers import Samplers
 from workers.loading.dtypes import on_cuda
 
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from workers.batching.grammar import GrammarTokenizer
+    from workers.batching.kvstore import Start
     from workers.messages import Admit, Key
 
 log = structlog.get_logger("workers")
@@ -69,6 +71,7 @@ class MLXEngine:
         fuse_prefill: bool | str = "auto",
         prefill_pad: int | str = "auto",
         prefill_every: int | str = "auto",
+        prefill_thread: bool = False,
     ) -> None:
         self._grammar = None if grammar is None else GrammarRows(grammar, self._decoding_inputs)
         # Sessions need caches mlx-lm can extract and re-insert; prefix blocks need plain KVCaches.
@@ -121,6 +124,12 @@ class MLXEngine:
         self._queue_chunks = queue_chunks
         self._prefill: PipelinedPrefill | None = None
         self.on_queue: Callable[[], None] | None = None
+        self._threaded = prefill_thread
+        self._ahead: Ahead | None = None
+        self.prefill_thread_unavailable = ""
+        """Why prompts cannot prefill on a thread of their own as asked ("" when they can)."""
+        self._ahead_tokens = 0
+        """Prompt tokens the prefill thread computed for the rows joined since the last step."""
         self._install()
         self.mask_free = MaskFreeDecode(mask_free)
         self.mask_free_unavailable = self.mask_free.unavailable or (
@@ -154,38 +163,46 @@ class MLXEngine:
         """Whether prefix blocks work with this model's cache (sessions: `support.sessions`)."""
         return self._store is not None and self.support.prefix_blocks
 
-    def _start(self, admit: Admit) -> tuple[list[int], Any, list[int]]:
-        """(prompt left to prefill, starting cache or None, tokens that cache holds)."""
+    def _start(self, admit: Admit) -> Start:
         if self._store is None:
-            return list(admit.prompt), None, []
+            return admit, list(admit.prompt), None, []
         rest, cache, tokens, cold = self._store.start(admit, prefix_blocks=self.support.prefix_blocks)
         self._fallbacks += cold
-        return rest, cache, tokens
+        return admit, rest, cache, tokens
 
     def insert(self, admits: Sequence[Admit]) -> None:
-        if not admits:
-            return
         starts = [self._start(a) for a in admits]
+        for a, rest, _, _ in starts:
+            self._budget.inserted(len(rest), a.max_tokens)
+        if self._ahead is not None:  # what has more than its last token to prefill goes there
+            self._ahead.submit([s for s in starts if len(s[1]) > 1])
+            starts = [s for s in starts if len(s[1]) == 1]
+        self._add(starts)
+
+    def _add(self, starts: Sequence[Start]) -> None:
+        """Put requests into the generator where they start."""
+        if not starts:
+            return
+        admits = [a for a, _, _, _ in starts]
         made = [processors(a, self._grammar) for a in admits]
         uids = self._gen.insert(
-            [p for p, _, _ in starts],
+            [p for _, p, _, _ in starts],
             max_tokens=[a.max_tokens for a in admits],
-            caches=[c for _, c, _ in starts] if any(c is not None for _, c, _ in starts) else None,
-            all_tokens=[t for _, _, t in starts],
+            caches=[c for _, _, c, _ in starts] if any(c is not None for _, _, c, _ in starts) else None,
+            all_tokens=[t for _, _, _, t in starts],
             samplers=cast("Any", [self._samplers.get(a.sampling, a.sampled) for a in admits]),
             logits_processors=[p for p, _ in made] if any(p is not None for p, _ in made) else None,
             stop_sequences=[self._stop(a.stop_token_ids) for a in admits],
         )
         if self._order is not None:
             self._order.inserted(uids)
-        for uid, admit, (rest, _, _), (_, row) in zip(uids, admits, starts, made, strict=True):
+        for uid, admit, (_, row) in zip(uids, admits, made, strict=True):
             if row is not None and self._grammar is not None:
                 self._grammar.bind(uid, row)
             self._rid_of[uid] = admit.rid
             self._uid_of[admit.rid] = uid
             if admit.logprobs >= 0:
                 self._logprobs_of[admit.rid] = admit.logprobs
-            self._budget.inserted(len(rest), admit.max_tokens)
             if self._store is not None:
                 if admit.store and self.support.prefix_blocks:
                     self._store_plan[admit.rid] = (admit.store, len(admit.prefix))
@@ -199,21 +216,12 @@ class MLXEngine:
     def _keep(self, uid: int, rid: int, finished: Any) -> list[tuple[Key, int]]:
         """Store the prompt blocks `rid` was asked to keep, now that its prompt is prefilled;
         `finished`: its finishing response (it already left the batch), else None."""
-        store = self._store
         keys, first = self._store_plan.pop(rid)
-        assert store is not None
-        row: list[LayerKV]
-        start: int | mx.array
+        assert self._store is not None
         if finished is not None:
-            row = [(c.keys, c.values) for c in finished.prompt_cache]
-            start = 0
-        else:
-            batch = generation_batch(self._gen)
-            idx = batch.uids.index(uid)
-            caches = batch.prompt_cache
-            row = [(c.keys[idx : idx + 1], c.values[idx : idx + 1]) for c in caches]
-            start = caches[0].left_padding[idx]
-        return store.store_blocks(keys, first, row, start)
+            return self._store.store_prompt(keys, first, finished.prompt_cache)
+        batch = generation_batch(self._gen)
+        return self._store.store_prompt(keys, first, batch.prompt_cache, batch.uids.index(uid))
 
     def keep_sessions(self, rids: Sequence[int]) -> list[tuple[Key, int]]:
         store = self._store
@@ -224,22 +232,12 @@ class MLXEngine:
         if store is None or not names:
             return []
         kept = self._gen.extract_cache(list(names))
-        stored = (self._keep_session(names[uid], cache, tokens) for uid, (cache, tokens) in kept.items())
+        stored = (store.keep_turn(names[uid], cache, tokens) for uid, (cache, tokens) in kept.items())
         return [s for s in stored if s is not None]
 
-    def _keep_session(self, name: str, cache: list[Any], tokens: list[int]) -> tuple[Key, int] | None:
-        """Keep a finished turn's KV; a failure drops the session (the next turn prefills cold)
-        rather than failing the step, so the turn still ends normally."""
-        store = self._store
-        assert store is not None
-        try:
-            return store.keep_session(name, cache, tokens)
-        except Exception as exc:
-            store.evict([name])
-            log.warning("session_keep_failed", session=name, error=f"{type(exc).__name__}: {exc}")
-            return None
-
     def remove(self, rids: Sequence[int]) -> None:
+        if self._ahead is not None:
+            self._ahead.remove(rids)
         for rid in rids:
             self._store_plan.pop(rid, None)
             self._session_of.pop(rid, None)
@@ -255,6 +253,10 @@ class MLXEngine:
 
     def step(self) -> StepResult:
         gen = self._gen
+        if self._ahead is not None:
+            # With nothing else to step, wait for the thread, as a prefill pass in the step would.
+            rows, self._ahead_tokens = self._ahead.ready(wait=not self._rid_of)
+            self._add(rows)
         alone = None
         if self._prefill is not None:
             generation_batch(gen).keep_logprobs = bool(self._logprobs_of)
@@ -264,7 +266,7 @@ class MLXEngine:
             return self._decode_only(alone.next_alone)
         sizes = queue_sizes(gen)
         decoding = sizes.decoding
-        generation_batch(gen).joins_waiting = sizes.prefilling + sizes.waiting > 0
+        generation_batch(gen).joins_waiting = sizes.prefilling + sizes.waiting + len(self._ahead or ()) > 0
         if self._budget.rests(decoding=decoding):  # a decode step only: no prompt starts or joins
             return self._decode_only(generation_batch(gen).next)
         if self._order is not None and sizes.waiting:
@@ -329,26 +331,26 @@ class MLXEngine:
                     self._grammar.forget((r.uid,))
                 session = self._session_of.pop(rid, None)
                 if session is not None and self._store is not None:
-                    kept = self._keep_session(session, r.prompt_cache, r.all_tokens)
+                    kept = self._store.keep_turn(session, r.prompt_cache, r.all_tokens)
                     if kept is not None:
                         stored.append(kept)
         if stored and self._store is not None:
             self._store.settle()
         fallbacks, self._fallbacks = self._fallbacks, 0
+        prefilled, self._ahead_tokens = prefilled + self._ahead_tokens, 0
         return StepResult(
             rids, tokens, finished, reasons, prefilled, stored, mx.get_active_memory(), fallbacks,
             first, wanted.take() if wanted else [],
         )
 
     def has_work(self) -> bool:
-        return bool(self._rid_of)
+        return bool(self._rid_of) or bool(self._ahead)
 
     def held(self) -> int:
-        gen = self._gen
-        return sum(queue_sizes(gen))
+        return sum(queue_sizes(self._gen)) + len(self._ahead or ())
 
     def rids(self) -> list[int]:
-        return list(self._uid_of)
+        return list(self._uid_of) + (self._ahead.rids() if self._ahead is not None else [])
 
     def reset(self) -> None:
         self.close()
@@ -366,6 +368,12 @@ class MLXEngine:
             self.fused, self.fuse_unavailable = False, "our prefill path is unavailable (see its warning)"
         if self._prefill is not None:
             generation_batch(self._gen).on_queue = self._queued
+        if self._threaded:
+            self._ahead, self.prefill_thread_unavailable = threaded(
+                self._model, self._batching, pad_to=self.prefill_pad, sessions=self.support.sessions,
+                prefill_path=self._prefill is not None)
+        self.prefill_threaded = self._ahead is not None
+        """Whether prompts prefill on a thread of their own (`prefill_thread.py`)."""
 
     def _queued(self) -> None:
         if self.on_queue is not None:
@@ -376,6 +384,9 @@ class MLXEngine:
         return self._prefill is not None  # the hook lives in our generation batch
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
         self._gen.close()
         forget_host_ints()
         self._emitting.clear()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+import structlog
 from mlx_lm.models.cache import KVCache
 
 from workers.batching.cachekinds import cache_arrays, trimmable
@@ -18,6 +19,11 @@ if TYPE_CHECKING:
 
     from workers.messages import Admit, Key
 
+    Start = tuple[Admit, list[int], Any, list[int]]
+    """Where a request starts: its admit, the prompt left to prefill, a starting cache (one a
+    layer) or None, and the tokens that cache holds."""
+
+log = structlog.get_logger("workers")
 LayerKV = tuple[mx.array, mx.array]
 
 
@@ -125,6 +131,16 @@ class KVStore:
             caches.append(c)
         return blocks, caches
 
+    def store_prompt(
+        self, keys: Sequence[int], first: int, caches: Sequence[Any], row: int | None = None
+    ) -> list[tuple[Key, int]]:
+        """`store_blocks` from a sequence's caches (one a layer): a finished one's own (`row`
+        None), or row `row` of a batch's, whose left padding says where its token 0 is."""
+        if row is None:
+            return self.store_blocks(keys, first, [(c.keys, c.values) for c in caches], 0)
+        kv = [(c.keys[row : row + 1], c.values[row : row + 1]) for c in caches]
+        return self.store_blocks(keys, first, kv, caches[0].left_padding[row])
+
     def store_blocks(
         self, keys: Sequence[int], first: int, row: Sequence[LayerKV], start: int | mx.array
     ) -> list[tuple[Key, int]]:
@@ -164,6 +180,16 @@ class KVStore:
         mx.eval(cache_arrays(cache))  # detach from the batch's buffer
         self._sessions[name] = (cache, list(tokens))
         return name, len(tokens)
+
+    def keep_turn(self, name: str, cache: list[Any], tokens: list[int]) -> tuple[Key, int] | None:
+        """`keep_session` for a finished turn; a failure drops the session (the next turn
+        prefills cold) rather than failing the step, so the turn still ends normally."""
+        try:
+            return self.keep_session(name, cache, tokens)
+        except Exception as exc:
+            self.evict([name])
+            log.warning("session_keep_failed", session=name, error=f"{type(exc).__name__}: {exc}")
+            return None
 
     def take_session(self, name: str) -> tuple[list[Any], list[int]] | None:
         return self._sessions.pop(name, None)
