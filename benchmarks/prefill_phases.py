@@ -12,15 +12,21 @@ for an array from host values made per layer, not once per call, `hostpad.SHARE_
 `sparerows.ENABLED`;
 `:mlxchunk` for MLX's own products in prompt chunks' attention, `padded_attention.GROUPED`;
 `:padded` for a carried chunk's padding through the projections and MLPs, `fused.RAGGED`;
+`:thread` for prompts prefilled on a thread of their own, `[worker] prefill_thread`;
 a budget `448x4` plans up to 4 steps' budget at once, `[worker] prefill_every`)
 runs side by side, `--repeat` times in rotating order. Clocks wrap mlx-lm's phases:
 
 - decode: `GenerationBatch.next` (the decode step, with its wait for the previous one);
 - prefill: `PromptProcessingBatch.prompt` (one chunk);
+- enter: `BatchGenerator._make_batch` (waiting rows enter the prompt batch, their caches merged:
+  fresh ones hold nothing, those the prefill thread made hold their prompts);
 - join: `split` + `generate` + `GenerationBatch.extend` (prefilled prompts join the decode rows);
 - finish: `GenerationBatch.filter` (finished rows leave; inside decode, counted here alone);
 - clear_cache: `mx.clear_cache`;
 - engine: the rest of `MLXEngine.step` (the budget's plan, responses, ...).
+
+A phase another thread runs (the prefill thread's passes, `:thread`) is clocked apart, as time
+beside the steps, not inside them.
 
 Where MLX computes asynchronously, a phase's clock holds what the host waited for in it. With
 `--sync` every phase starts and ends with `mx.synchronize()`, so each clock holds its own
@@ -45,6 +51,7 @@ import json
 import os
 import random
 import statistics
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -55,7 +62,7 @@ import workers  # noqa: F401
 
 # isort: split
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
 from workers.batching import fused, hostpad, padded_attention, sparerows
 from workers.batching.engine import MLXEngine
@@ -68,6 +75,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 PHASES = {
+    (BatchGenerator, "_make_batch"): "enter",
     (GenerationBatch, "next"): "decode",
     (GenerationBatch, "filter"): "finish",
     (GenerationBatch, "extend"): "join",
@@ -91,19 +99,30 @@ class Clocks:
         self.total: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._stack: list[list[float]] = []  # [start, time spent in nested phases]
+        self._owner = threading.current_thread()
+        self.beside: dict[str, float] = defaultdict(float)
+        """Time another thread (the prefill thread) spent in a phase, beside the steps."""
 
     def wrap(self, name: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is not self._owner:
+                began = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.beside[name] += time.perf_counter() - began
             if self.sync:
                 mx.synchronize()
             self._stack.append([time.perf_counter(), 0.0])
+            out = None
             try:
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+                return out
             finally:
-                if self.eval_caches and name in ("finish", "join") and args:
-                    # The batch cache's compaction (finish) and merge (join) are built lazily and
-                    # would otherwise run, and be clocked, in the next decode step.
-                    caches = getattr(args[0], "prompt_cache", None) or []
+                if self.eval_caches and name in ("finish", "join", "enter") and args:
+                    # The batch cache's compaction (finish) and merges (join, enter) are built
+                    # lazily and would otherwise run, and be clocked, in the next decode step.
+                    caches = getattr(out if name == "enter" else args[0], "prompt_cache", None) or []
                     mx.eval([a for c in caches for a in (getattr(c, "keys", None), getattr(c, "values", None))
                              if a is not None])
                 if self.sync:
@@ -145,7 +164,8 @@ def admitter(args: argparse.Namespace) -> Callable[[], Admit]:
     return admit
 
 
-FLAGS = ("", "mlx", "blocking", "nofuse", "perlayer", "apart", "padjoin", "copyrows", "mlxchunk", "padded")
+FLAGS = ("", "mlx", "blocking", "nofuse", "perlayer", "apart", "padjoin", "copyrows", "mlxchunk", "padded",
+         "thread")
 """A variant's one flag after its budget (none, or the header's)."""
 
 
@@ -169,7 +189,7 @@ def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
         model, vocab_size=args.vocab, max_batch=args.concurrency, prefill_batch=args.prefill_batch,
         prefill_step=args.prefill_step, step_token_budget=budget, pipelined_prefill=flag != "mlx",
         queue_chunks=flag != "blocking", fuse_prefill=flag != "nofuse", prefill_every=int(every) if every else "auto",
-        prefill_pad=pad if pad == "auto" else int(pad),
+        prefill_pad=pad if pad == "auto" else int(pad), prefill_thread=flag == "thread",
     )
 
 
@@ -223,7 +243,8 @@ def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
     return {"tok_s": tokens / wall, "ms_per_step": wall / args.steps * 1e3, "tokens_per_step": tokens / args.steps,
             "prefill_steps": prefill_steps, "real_share": counts["real"] / counts["padded"] if counts["padded"] else None,
             "slow_steps": slow_steps(per_step), "phase_ms_per_step": {k: v / args.steps * 1e3 for k, v in phases.items()},
-            "calls": dict(clocks.calls)}
+            "calls": dict(clocks.calls),
+            "beside_ms_per_step": {k: v / args.steps * 1e3 for k, v in clocks.beside.items()}}
 
 
 def slow_steps(per_step: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
@@ -280,7 +301,7 @@ def main() -> None:
             runs[variant].append(run(model, args, variant))
             loads.append(os.getloadavg()[0])
             print(f"  {variant}: {runs[variant][-1]['tok_s']:.0f} tok/s", flush=True)
-    names = ["decode", "prefill", "join", "finish", "clear_cache", "engine"]
+    names = ["decode", "prefill", "enter", "join", "finish", "clear_cache", "engine"]
     print(f"\n{args.model} on {mx.default_device()}, {args.concurrency} rows, prompts {args.prompt_min}-"
           f"{args.prompt_max}, {args.max_tokens} tokens, {args.steps} steps, medians of {args.repeat}"
           f"{', synchronized phases' if args.sync else ''}; load {min(loads):.2f}-{max(loads):.2f}")
@@ -300,6 +321,12 @@ def main() -> None:
               + " ".join(f"{row[n]:>11.2f}" for n in names))
     print("(real: the share of our chunks' tokens, padding included, that are prompt tokens; "
           "phases: ms per step, averaged over all steps)")
+    for v, rs in runs.items():
+        beside = {n: statistics.median(r["beside_ms_per_step"].get(n, 0.0) for r in rs)
+                  for n in rs[0]["beside_ms_per_step"]}
+        if beside:
+            print(f"{v:<12} beside the steps, on the prefill thread: "
+                  + ", ".join(f"{n} {ms:.2f} ms a step" for n, ms in beside.items()))
     print("\nThe slowest steps (>= p95 of step time) against the median half, first run, ms a step:")
     print(f"{'variant':<12} {'steps':<12} {'step':>7} " + " ".join(f"{n:>11}" for n in names))
     for v, rs in runs.items():
