@@ -60,8 +60,6 @@ class Prefilled:
     rid: int
     cache: list[Any]
     """One a layer, computed, holding the job's `held` and `tokens`."""
-    tokens: int
-    """Prompt tokens this prefill computed."""
 
 
 class PrefillFailed(RuntimeError):
@@ -141,7 +139,7 @@ class PrefillThread:
                     with self._lock:
                         self.passes += 1
                         self._ready += [
-                            Prefilled(j.rid, c, len(j.tokens))
+                            Prefilled(j.rid, c)
                             for j, c in zip(jobs, made, strict=True) if j.rid not in self._dropped
                         ]
                         self._running.clear()
@@ -228,13 +226,11 @@ class Ahead:
         """Hand prompts to the thread, each with at least two tokens left to prefill."""
         if not starts:
             return
-        jobs = []
-        for admit, rest, cache, held in starts:
-            if cache is not None:
-                mx.eval(cache_arrays(cache))  # made on this thread's stream: computed here
+        # Starting caches were made on this thread's stream: computed here, all in one wait.
+        mx.eval([cache_arrays(cache) for _, _, cache, _ in starts if cache is not None])
+        for admit, rest, _, held in starts:
             self._held[admit.rid] = (admit, rest, held)
-            jobs.append(Job(admit.rid, rest[:-1], cache, held))
-        self.thread.submit(jobs)
+        self.thread.submit([Job(a.rid, rest[:-1], cache, held) for a, rest, cache, held in starts])
 
     def ready(self, *, wait: bool = False) -> tuple[list[Start], int]:
         """The prefilled ones, each where it now starts (its last prompt token left, with the
@@ -248,7 +244,7 @@ class Ahead:
                 continue
             admit, rest, held = entry
             out.append((admit, rest[-1:], done.cache, held + rest[:-1]))
-            computed += done.tokens
+            computed += len(rest) - 1
         return out, computed
 
     def remove(self, rids: Sequence[int]) -> None:
