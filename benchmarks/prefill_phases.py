@@ -13,6 +13,7 @@ for an array from host values made per layer, not once per call, `hostpad.SHARE_
 `:mlxchunk` for MLX's own products in prompt chunks' attention, `padded_attention.GROUPED`;
 `:padded` for a carried chunk's padding through the projections and MLPs, `fused.RAGGED`;
 `:thread` for prompts prefilled on a thread of their own, `[worker] prefill_thread`;
+`:spread` for a plan's chunk spread over the steps until the next, `[worker] prefill_spread`;
 a budget `448x4` plans up to 4 steps' budget at once, `[worker] prefill_every`)
 runs side by side, `--repeat` times in rotating order. Clocks wrap mlx-lm's phases:
 
@@ -165,7 +166,7 @@ def admitter(args: argparse.Namespace) -> Callable[[], Admit]:
 
 
 FLAGS = ("", "mlx", "blocking", "nofuse", "perlayer", "apart", "padjoin", "copyrows", "mlxchunk", "padded",
-         "thread")
+         "thread", "spread")
 """A variant's one flag after its budget (none, or the header's)."""
 
 
@@ -190,6 +191,7 @@ def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
         prefill_step=args.prefill_step, step_token_budget=budget, pipelined_prefill=flag != "mlx",
         queue_chunks=flag != "blocking", fuse_prefill=flag != "nofuse", prefill_every=int(every) if every else "auto",
         prefill_pad=pad if pad == "auto" else int(pad), prefill_thread=flag == "thread",
+        prefill_spread=flag == "spread",
     )
 
 

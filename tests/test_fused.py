@@ -19,16 +19,17 @@ SHAPE: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, intermediate_s
                              vocab_size=256)
 
 
-def build(kind: str) -> Any:
+def build(kind: str, layers: int = 2) -> Any:
+    shape = {**SHAPE, "num_hidden_layers": layers}
     if kind == "llama":
-        model = llama.Model(llama.ModelArgs(model_type="llama", **SHAPE))
+        model = llama.Model(llama.ModelArgs(model_type="llama", **shape))
     elif kind == "llama, untied":
-        model = llama.Model(llama.ModelArgs(model_type="llama", tie_word_embeddings=False, **SHAPE))
+        model = llama.Model(llama.ModelArgs(model_type="llama", tie_word_embeddings=False, **shape))
     elif kind == "qwen2":
-        model = qwen2.Model(qwen2.ModelArgs(model_type="qwen2", **SHAPE))
+        model = qwen2.Model(qwen2.ModelArgs(model_type="qwen2", **shape))
     else:
         model = qwen3.Model(qwen3.ModelArgs(model_type="qwen3", head_dim=16, max_position_embeddings=512,
-                                            tie_word_embeddings=True, rope_theta=1e6, **SHAPE))
+                                            tie_word_embeddings=True, rope_theta=1e6, **shape))
     mx.eval(model.parameters())
     return model
 
@@ -163,6 +164,65 @@ def test_a_chunk_with_little_padding_or_the_switch_off_stays_padded(monkeypatch:
     assert ragged([[1] * 12, [1] * 16], 16, left=False) is not None  # 4 of 32: 12.5%
     monkeypatch.setattr(fused, "RAGGED", False)
     assert ragged([[1] * 2, [1] * 16], 16, left=False) is None
+
+
+STEPS = ([[12], [13], [14]], [[15], [16], [17]], [[18], [19], [20]])
+"""Three decode steps' tokens for `decode_caches`' three rows."""
+
+
+def spread_chunk(ragged_layout: bool) -> fused.Chunk:
+    """Two prompts of 4 and 2 tokens, padded on the left, into `fresh_caches`."""
+    layout = ragged([[20, 21, 22, 23], [24, 25]], 4, left=True) if ragged_layout else None
+    return fused.Chunk(mx.array([[20, 21, 22, 23], [0, 0, 24, 25]]), False, layout)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("ragged_layout", [False, True])
+def test_a_chunk_spread_over_decode_steps_gives_what_one_pass_and_plain_steps_give(
+    kind: str, ragged_layout: bool
+) -> None:
+    """Three decode steps carry a chunk through four layers, 2, 1 and 1 of them: each step's
+    logits are the plain decode step's, and the chunk's caches end as its own pass leaves them,
+    layer by layer as it goes."""
+    model = build(kind, layers=4)
+    chunk = spread_chunk(ragged_layout)
+    plain, alone = decode_caches(model), fresh_caches(model)
+    want = [model(mx.array(tokens), cache=plain) for tokens in STEPS]
+    model(chunk.tokens, cache=alone)
+    ours, carried = decode_caches(model), fresh_caches(model)
+    state = fused.Carry(chunk, passes=3)
+    spans, got = [], []
+    for tokens in STEPS:
+        spans.append(state.span(4))
+        got.append(fused.carry(model, mx.array(tokens), ours, state, carried, pad_rows=8))
+        done = spans[-1][1]
+        assert [c._idx for c in carried] == [4] * done + [0] * (4 - done)  # the layers it went through
+        assert (state.hidden is None) == (done == 4)
+    assert spans == [(0, 2), (2, 3), (3, 4)] and state.through(4) and state.passes == 0
+    for g, w in zip(got, want, strict=True):
+        assert g is not None and g.shape == w.shape == (3, 1, 256)
+        assert mx.allclose(g, w, atol=1e-4).item()
+    for a, b in zip(plain + alone, ours + carried, strict=True):
+        assert same_real_positions(a, b)
+
+
+@pytest.mark.parametrize("ragged_layout", [False, True])
+def test_what_the_steps_left_of_a_chunk_goes_through_a_pass_of_its_own(ragged_layout: bool) -> None:
+    """A chunk taken through the first of four layers, then the rest without decode rows (a row
+    removed, a join: anything that reads the prompt caches before the steps are done)."""
+    model = build("llama", layers=4)
+    chunk = spread_chunk(ragged_layout)
+    alone = fresh_caches(model)
+    model(chunk.tokens, cache=alone)
+    carried = fresh_caches(model)
+    state = fused.Carry(chunk, passes=4)
+    assert fused.carry(model, mx.array(STEPS[0]), decode_caches(model), state, carried) is not None
+    assert state.done == 1 and not state.through(4)
+    assert state.span(4) == (1, 2)  # the next step would take one more
+    assert fused.carry(model, None, [], state, carried) is None  # all three layers left, at once
+    assert state.through(4) and state.hidden is None
+    for a, b in zip(alone, carried, strict=True):
+        assert same_real_positions(a, b)
 
 
 def test_blocks_it_does_not_restate_are_named() -> None:

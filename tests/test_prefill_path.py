@@ -102,7 +102,7 @@ def test_a_step_that_prefills_while_rows_decode_is_one_forward_pass(
     tiny_model: Any, monkeypatch: pytest.MonkeyPatch, budget: int
 ) -> None:
     passes = [0]
-    model_call, fused_call = type(tiny_model).__call__, fused.forward
+    model_call, fused_call = type(tiny_model).__call__, fused.carry
 
     def counted(call: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -111,7 +111,7 @@ def test_a_step_that_prefills_while_rows_decode_is_one_forward_pass(
         return wrapped
 
     monkeypatch.setattr(type(tiny_model), "__call__", counted(model_call))
-    monkeypatch.setattr(fused, "forward", counted(fused_call))
+    monkeypatch.setattr(fused, "carry", counted(fused_call))
     admits = workload(16, seed=1)
     e = engine(tiny_model, True, budget=budget)
     assert e.fuse_unavailable == ""
@@ -457,13 +457,13 @@ def test_plans_of_whole_prompts_ride_without_their_padding_and_give_the_same_tok
     tiny_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     layouts: list[bool] = []
-    fused_call = fused.forward
+    fused_call = fused.carry
 
-    def seen(*args: Any, **kwargs: Any) -> Any:
-        layouts.append(args[6] is not None if len(args) > 6 else kwargs.get("layout") is not None)
-        return fused_call(*args, **kwargs)
+    def seen(model: Any, inputs: Any, caches: Any, state: fused.Carry, *args: Any) -> Any:
+        layouts.append(state.chunk.layout is not None)
+        return fused_call(model, inputs, caches, state, *args)
 
-    monkeypatch.setattr(fused, "forward", seen)
+    monkeypatch.setattr(fused, "carry", seen)
     admits = workload(16, seed=2)
 
     def planned() -> MLXEngine:

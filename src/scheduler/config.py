@@ -120,6 +120,13 @@ class WorkerSection(_Section):
     take at the budget's rate (at most this many less one). Where a step that carries prefill costs
     mostly its launches, not its arithmetic (CUDA), fewer and larger chunks cost fewer such steps.
     "auto": 4 on CUDA, 1 (every step) elsewhere."""
+    prefill_spread: bool = False
+    """Under a `step_token_budget` with `prefill_every` above 1, each plan's chunk is spread over
+    the plan's step and the `prefill_every - 1` steps after it, a share of the model's layers each,
+    rather than carried whole by the first of them while the others only decode. A step that
+    carries a chunk costs a GPU's host about the same whatever its size, mostly per layer, so
+    each step then bears a share of that instead of one step all of it. Needs the one-pass step
+    (`fuse_prefill`): without it there is nothing to spread."""
     prefill_thread: bool = False
     """Prefill prompts on a thread (and an MLX stream) of their own, beside the decode steps,
     rather than inside them: passes of up to `prefill_batch` x `prefill_step` padded tokens (at

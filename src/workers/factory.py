@@ -95,6 +95,8 @@ class Loaded(msgspec.Struct, frozen=True):
     """Under a step token budget, while others decode, prefill plans up to this many steps' budget."""
     prefill_thread: bool = False
     """Whether prompts prefill on a thread of their own (`prefill_thread.py`)."""
+    prefill_spread: bool = False
+    """Whether a plan's chunk is spread over the steps until the next, a share of the layers each."""
     prefill_thread_unavailable: str = ""
     """Why they cannot as `[worker] prefill_thread` asks ("" when they can, or it does not ask)."""
     host_padding_unavailable: str = ""
@@ -119,6 +121,7 @@ def mlx_engine_factory(
     step_token_budget: int | str = "auto",
     prefill_every: int | str = "auto",
     prefill_thread: bool = False,
+    prefill_spread: bool = False,
     prefill_chunks: str = "auto",
     prefill_pack: bool = True,
     prefill_order: str = "arrival",
@@ -164,6 +167,7 @@ def mlx_engine_factory(
             step_token_budget=step_token_budget,
             prefill_every=prefill_every,
             prefill_thread=prefill_thread,
+            prefill_spread=prefill_spread,
             queue_chunks=prefill_chunks != "blocking",  # "auto": queued on every backend
             pack_prompts=prefill_pack,
             shortest_first=prefill_order == "length",
@@ -187,6 +191,7 @@ def mlx_engine_factory(
             padded_attention_unavailable=engine.padded_attention_unavailable,
             prefill_pad=engine.prefill_pad, prefill_every=engine.prefill_every,
             prefill_thread=engine.prefill_threaded,
+            prefill_spread=engine.prefill_spread,
             prefill_thread_unavailable=engine.prefill_thread_unavailable,
             host_padding_unavailable=host_padding_unavailable(),
             precision=loaded_model.precision, blas=blas_state(),

@@ -46,7 +46,7 @@ class PrefillBudget:
 
     def __init__(
         self, limit: int | str, *, max_chunk: int, max_prompts: int, max_batch: int = 64,
-        pack: bool = False, granule: int = 0, every: int = 1,
+        pack: bool = False, granule: int = 0, every: int = 1, spread: bool = False,
     ) -> None:
         if limit != "auto" and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
             raise ValueError(f"step_token_budget must be 'auto' or an integer >= 0, got {limit!r}")
@@ -55,6 +55,9 @@ class PrefillBudget:
         self._every = every
         """While rows decode, a plan takes up to this many steps' budget in whole prompts, and
         the steps after it only decode while its tokens take at the budget's rate (`rests`)."""
+        self._spread = spread
+        """A plan's chunk is spread over it and the `every - 1` steps after it, a share of the
+        model's layers each (`passes`), so those steps rest from planning, not from prefill."""
         self._resting = 0
         """Steps left that only decode after the last plan."""
         self._limit = limit
@@ -122,6 +125,8 @@ class PrefillBudget:
             prompts, tokens = self.fitting(chunks, budget, in_prefill + room)
             rate = max(1, budget // self._every)
             self._resting = min(self._every - 1, max(0, -(-tokens // rate) - 1))
+            if self._spread and tokens:
+                self._resting = self._every - 1
             return self._max_chunk, prompts
         cap = max(1, min(self._max_prompts, budget // MIN_CHUNK))
         joining = max(0, min(cap - in_prefill, room, waiting))
@@ -130,6 +135,14 @@ class PrefillBudget:
         if self._granule > 1 and chunk > self._granule:
             chunk -= chunk % self._granule
         return chunk, cap
+
+    @property
+    def passes(self) -> int:
+        """Decode steps the last plan's chunk is spread over (1: it rides whole in the first):
+        with `spread`, the plan's and those that rest after it. A step carrying a chunk costs a
+        GPU's host about the same whatever the chunk's size, a share for each layer; spread, each
+        step bears a share of it and none stalls the streams for all of it."""
+        return self._resting + 1 if self._spread else 1
 
     def fitting(self, chunks: Iterable[int], budget: int, most: int) -> tuple[int, int]:
         """How many prompts a plan of up to `every` steps' budget takes, each whole up to

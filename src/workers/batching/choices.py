@@ -3,6 +3,8 @@ setting and of what the backend and the model's caches are, each with the measur
 
 from __future__ import annotations
 
+from workers.loading.dtypes import on_cpu, on_cuda
+
 AUTO_PAD = 64
 AUTO_EVERY_CUDA = 4
 
@@ -47,3 +49,25 @@ def cadence(setting: int | str, *, cuda: bool) -> int:
     if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1:
         return setting
     raise ValueError(f"prefill_every must be 'auto' or an integer >= 1, got {setting!r}")
+
+
+def token_budget(setting: int | str, *, gpu: bool) -> int | str:
+    """`[worker] step_token_budget` as the budget takes it. "auto" is 0 (off) on a GPU. Measured
+    on an H200 (docs/stalls.md): a step that carries prefill costs about two decode steps more
+    whatever it carries, so budgets small enough to bound ITL p99 within 3x its p50 kept
+    0.67-0.87x budget 0's throughput, and larger ones (1,024 a step, one step in four) 0.86-1.02x
+    with ITL p99 still 2.7-4.7x its p50."""
+    return 0 if setting == "auto" and gpu else setting
+
+
+def keeps_cache() -> bool:
+    """Whether blocking prefill chunks leave MLX's buffer cache as it is, rather than empty it
+    after each chunk as mlx-lm does (which bounds a long prompt's memory on Metal).
+
+    On CUDA (mlx 0.32.4, two H200s) a prefill that emptied the cache followed by batch caches
+    that never wait for the device made mlx-lm's next `mx.array(tokens)` fail ("cudaMemcpy ...
+    invalid argument") in 2 of 3 runs; with the cache kept it never did. On the CPU, MLX caps
+    the cache at 32 MiB, so keeping it bounds nothing worth bounding, and emptying it made the
+    prompt's first decode steps allocate afresh: a lone 128-token prompt's first token came
+    0.3 ms later (`synthetic:tiny`, 2-core CPU, 4.7 ms against 4.4)."""
+    return on_cuda() or on_cpu()

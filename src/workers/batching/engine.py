@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from workers.batching.budget import PrefillBudget
 from workers.batching.cachekinds import cache_support
-from workers.batching.choices import cadence, fuses, pads
+from workers.batching.choices import cadence, fuses, pads, token_budget
 from workers.batching.contract import StepResult
 from workers.batching.fused import unfusable
 from workers.batching.grammar import GrammarRows
@@ -72,6 +72,7 @@ class MLXEngine:
         prefill_pad: int | str = "auto",
         prefill_every: int | str = "auto",
         prefill_thread: bool = False,
+        prefill_spread: bool = False,
     ) -> None:
         self._grammar = None if grammar is None else GrammarRows(grammar, self._decoding_inputs)
         # Sessions need caches mlx-lm can extract and re-insert; prefix blocks need plain KVCaches.
@@ -93,20 +94,15 @@ class MLXEngine:
         """Prefill passes' prompts are right-padded to a multiple of this many tokens (0: not)."""
         self.prefill_every = cadence(prefill_every, cuda=cuda)
         """Under a budget, while rows decode, prefill plans up to this many steps' budget at once."""
-        if step_token_budget == "auto" and gpu:
-            # Measured on an H200 (docs/stalls.md): a step that carries prefill costs about two
-            # decode steps more whatever it carries, so budgets small enough to bound ITL p99
-            # within 3x its p50 kept 0.67-0.87x budget 0's throughput, and larger ones (1,024 a
-            # step, one step in four) 0.86-1.02x with ITL p99 still 2.7-4.7x its p50.
-            step_token_budget = 0
         self._budget = PrefillBudget(
-            step_token_budget,
+            token_budget(step_token_budget, gpu=gpu),
             max_chunk=prefill_step,
             max_prompts=min(prefill_batch, max_batch),
             max_batch=max_batch,
             pack=pack_prompts,
             granule=self.prefill_pad,
             every=self.prefill_every,
+            spread=prefill_spread and self.fused,
         )
         self._order = ShortestFirst() if shortest_first else None
         self._model = model
@@ -131,6 +127,8 @@ class MLXEngine:
         self._ahead_tokens = 0
         """Prompt tokens the prefill thread computed for the rows joined since the last step."""
         self._install()
+        self.prefill_spread = prefill_spread and self.fused and self.prefill_every > 1
+        """Whether a plan's chunk is spread over the steps until the next, a share of the layers each."""
         self.mask_free = MaskFreeDecode(mask_free)
         self.mask_free_unavailable = self.mask_free.unavailable or (
             "" if self.support.prefix_blocks else
@@ -281,6 +279,7 @@ class MLXEngine:
         before = prompt_tokens_done(gen)
         if self._prefill is not None:
             self._prefill.decoding = decoding > 0 and self._queue_chunks
+            self._prefill.spread = self._budget.passes
         self.mask_free.before_step(gen)
         _, responses = gen.next()
         if self._prefill is not None and only_joins_next(gen):

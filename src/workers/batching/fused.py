@@ -147,57 +147,132 @@ def forward(model: Any, inputs: mx.array, caches: list[Any], chunk: mx.array,
     are masked). `inputs`: `(rows, 1)` tokens; `chunk`: `(prompts, length)` tokens, padded as
     `layout` says. `pad_rows`: the projections and MLPs run on a multiple of this many rows (zero
     rows added, read by nothing), so that their matrix products repeat a few shapes."""
+    logits = carry(model, inputs, caches, Carry(Chunk(chunk, False, layout)), chunk_caches, pad_rows)
+    assert logits is not None
+    return logits
+
+
+class Carry:
+    """A chunk on its way through the model, a share of its layers a pass (`carry`): the passes
+    left to take it, the layers it went through, its rows after them and its attention mask."""
+
+    def __init__(self, chunk: Chunk, passes: int = 1) -> None:
+        self.chunk = chunk
+        self.passes = max(1, passes)
+        self.done = 0
+        """Layers the chunk went through (their caches hold its keys and values)."""
+        self.hidden: mx.array | None = None
+        """The chunk's rows after `done` layers (its real tokens' where it is `Ragged`)."""
+        self.mask: Any = None
+        """The chunk's attention mask, made before any layer stored it."""
+
+    def span(self, layers: int) -> tuple[int, int]:
+        """The layers the next pass takes it through: an equal share of those left over the
+        passes left (all of them on the last)."""
+        share = -(-(layers - self.done) // max(1, self.passes))
+        return self.done, min(layers, self.done + share)
+
+    def through(self, layers: int) -> bool:
+        """Whether it went through all `layers`."""
+        return self.done >= layers
+
+
+def _decode_layer(layer: Any, x: mx.array, rows: int, cache: Any, mask: Any) -> mx.array:
+    """One layer for the decode rows alone, as a fused layer computes their part."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    out = _attend(attn, attn.q_proj(h), attn.k_proj(h), attn.v_proj(h), rows, 1, cache, mask)
+    x = x + attn.o_proj(out.reshape(rows, -1))
+    mixed: mx.array = x + layer.mlp(layer.post_attention_layernorm(x))
+    return mixed
+
+
+def carry(model: Any, inputs: mx.array | None, caches: list[Any], state: Carry,
+          chunk_caches: list[Any], pad_rows: int = 0) -> mx.array | None:
+    """`forward` for the layers `state.span` gives: the decode rows (`inputs`) go through every
+    layer and the chunk through those, beside them; its rows after them are kept in `state` for
+    the next pass. With `inputs` None, the chunk goes alone through every layer left. A chunk
+    spread so over the decode steps between two plans costs each a share of what one step
+    carrying it whole would (its launches and its arithmetic). The decode rows' logits, None
+    without them."""
     inner = model.model
-    rows, (prompts, length) = inputs.shape[0], chunk.shape
-    hd = inner.embed_tokens(inputs)
-    # Before any layer stores this step's keys, as the model's own pass asks.
-    decode_mask = create_attention_mask(hd, caches[0])
-    chunk_mask = create_attention_mask(chunk, chunk_caches[0])
-    real = prompts * length if layout is None else layout.tokens.shape[0]
-    extra = (-(rows + real)) % pad_rows if pad_rows > 1 else 0
-    if layout is None:  # decode rows, the padded chunk, the rows that round the pass up
-        hc = inner.embed_tokens(chunk).reshape(prompts * length, -1)
-        parts, d0, c0 = [hd.reshape(rows, -1), hc], 0, rows
-        if extra:
-            parts.append(mx.zeros((extra, hd.shape[-1]), hd.dtype))
-    else:  # the chunk's real tokens, the rows that round the pass up, the decode rows
-        hc = inner.embed_tokens(layout.tokens)
-        parts = [hc, mx.zeros((extra, hd.shape[-1]), hd.dtype), hd.reshape(rows, -1)] if extra else [
-            hc, hd.reshape(rows, -1)]
-        d0, c0 = real + extra, 0
+    layers = inner.layers
+    chunk, layout = state.chunk.tokens, state.chunk.layout
+    prompts, length = chunk.shape
+    # Without decode rows, it is what the steps left of it, as a pass of its own: all of it.
+    first, end = state.span(len(layers)) if inputs is not None else (state.done, len(layers))
+    if first == 0:  # before any layer stores the chunk's keys, as the model's own pass asks
+        state.mask = create_attention_mask(chunk, chunk_caches[0])
+        state.hidden = (inner.embed_tokens(chunk).reshape(prompts * length, -1) if layout is None
+                        else inner.embed_tokens(layout.tokens))
+    assert state.hidden is not None
+    rows = 0 if inputs is None else inputs.shape[0]
+    decode_mask, x = None, state.hidden[:0]
+    if inputs is not None:
+        hd = inner.embed_tokens(inputs)
+        decode_mask = create_attention_mask(hd, caches[0])
+        x = hd.reshape(rows, -1)
+    real = state.hidden.shape[0]
+    extra = (-(rows + real)) % pad_rows if pad_rows > 1 and rows else 0
+    # Decode rows, the padded chunk, the rows that round the pass up; or, ragged: the chunk's
+    # real tokens, the rows that round the pass up, the decode rows.
+    d0, c0 = (0, rows) if layout is None else (real + extra, 0)
+    d = slice(d0, d0 + rows)
+    if layout is not None:
         out_rows, out_cols = layout.outputs(extra)
-    x = mx.concatenate(parts)
 
     def padded(t: mx.array) -> mx.array:
         """The chunk's part of `t`, in the padded layout."""
         return t[c0:c0 + real] if layout is None else mx.take(t, layout.spread, axis=0)
 
-    last = len(inner.layers) - 1
+    last = len(layers) - 1
     blank: mx.array | None = None  # every layer's padding rows of its attention output: one array
-    for i, (layer, dc, cc) in enumerate(zip(inner.layers, caches, chunk_caches, strict=True)):
+    for i in range(first if inputs is None else 0, end if inputs is None else len(layers)):
+        layer, cc = layers[i], chunk_caches[i]
+        dc = caches[i] if inputs is not None else None
+        if not first <= i < end:
+            x = _decode_layer(layer, x, rows, dc, decode_mask)
+            continue
+        if i == first:
+            pad = [mx.zeros((extra, x.shape[-1]), x.dtype)] if extra else []
+            parts = [x, state.hidden, *pad] if layout is None else [state.hidden, *pad, x]
+            x = mx.concatenate([p for p in parts if p.shape[0]])
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         k, v = attn.k_proj(h), attn.v_proj(h)
-        d = slice(d0, d0 + rows)
         if i < last:
             q = attn.q_proj(h)
-            decoded = _attend(attn, q[d], k[d], v[d], rows, 1, dc, decode_mask).reshape(rows, -1)
-            out = _attend(attn, padded(q), padded(k), padded(v), prompts, length, cc, chunk_mask)
+            decoded = (_attend(attn, q[d], k[d], v[d], rows, 1, dc, decode_mask).reshape(rows, -1)
+                       if rows else None)
+            out = _attend(attn, padded(q), padded(k), padded(v), prompts, length, cc, state.mask)
             if layout is not None:
-                out = mx.concatenate([out[out_rows, out_cols].reshape(real + extra, -1), decoded])
+                gathered = out[out_rows, out_cols].reshape(real + extra, -1)
+                out = gathered if decoded is None else mx.concatenate([gathered, decoded])
             else:
-                parts = [decoded, out.reshape(prompts * length, -1)]
+                parts = [out.reshape(prompts * length, -1)]
+                if decoded is not None:
+                    parts.insert(0, decoded)
                 if extra:
                     if blank is None:
-                        blank = mx.zeros((extra, decoded.shape[-1]), decoded.dtype)
+                        blank = mx.zeros((extra, parts[0].shape[-1]), parts[0].dtype)
                     parts.append(blank)
-                out = mx.concatenate(parts)
+                out = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         else:  # nothing reads the chunk's outputs past its last keys and values
             _store(attn, padded(k), padded(v), prompts, length, cc)
+            if not rows:
+                break
             x, h = x[d], h[d]
             out = _attend(attn, attn.q_proj(h), k[d], v[d], rows, 1, dc, decode_mask).reshape(rows, -1)
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if i == end - 1 and end < len(layers):  # the chunk waits here for the next pass
+            state.hidden = x[c0:c0 + real]
+            x = x[d]
+    state.done, state.passes = end, state.passes - 1
+    if end == len(layers):
+        state.hidden = state.mask = None
+    if inputs is None:
+        return None
     out = inner.norm(x)[:, None]
     logits: mx.array
     if model.args.tie_word_embeddings:
@@ -219,11 +294,13 @@ class Chunk(NamedTuple):
 
 
 class Carrying:
-    """The model as a decode step calls it, with a prefill chunk in the same pass (`forward`)."""
+    """The model as a decode step calls it, with a prefill chunk's share of layers in the same
+    pass (`carry`)."""
 
-    def __init__(self, model: Any, chunk: Chunk, caches: list[Any], pad_rows: int) -> None:
-        self.model, self._chunk, self._caches, self._pad = model, chunk, caches, pad_rows
+    def __init__(self, model: Any, state: Carry, caches: list[Any], pad_rows: int) -> None:
+        self.model, self._state, self._caches, self._pad = model, state, caches, pad_rows
 
     def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
-        chunk = self._chunk
-        return forward(self.model, inputs, cache, chunk.tokens, self._caches, self._pad, chunk.layout)
+        logits = carry(self.model, inputs, cache, self._state, self._caches, self._pad)
+        assert logits is not None
+        return logits

@@ -44,11 +44,11 @@ from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
 
 from workers.batching import fused, sparerows
+from workers.batching.choices import keeps_cache
 from workers.batching.hostpad import host_padded, merged_padding, share
 from workers.batching.mlxlm import missing_prefill_fields
 from workers.batching.rope import modules as rope_modules
 from workers.batching.rope import positions
-from workers.loading.dtypes import on_cpu, on_cuda
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -65,7 +65,11 @@ class PipelinedPrefill(PromptProcessingBatch):
     decoding: bool = False
     fuse: bool = False
     """While `decoding`, leave each chunk to the next decode step's forward pass (`fused.py`)."""
-    _chunk: fused.Chunk | None = None
+    spread = 1
+    """Decode steps a chunk left to them is spread over, a share of the layers each (the engine
+    sets it for each plan: the steps until the next)."""
+    carry: fused.Carry | None = None
+    """The chunk left for the decode steps' passes, on its way through the layers."""
     keep_cache: bool = False
     """Never empty MLX's buffer cache, even with nothing decoding (`install` sets it: `keeps_cache`)."""
     pad_to: int = 0
@@ -85,8 +89,9 @@ class PipelinedPrefill(PromptProcessingBatch):
             return
         batch, padded = self._prepared(tokens)
         if self.decoding and self.fuse and batch.shape[1] <= self.prefill_step_size:
-            # The next decode step's pass carries it (without its padding where that pays).
-            self._chunk = fused.Chunk(batch, padded, fused.ragged(tokens, batch.shape[1], left=not padded))
+            # The next decode steps' passes carry it (without its padding where that pays).
+            chunk = fused.Chunk(batch, padded, fused.ragged(tokens, batch.shape[1], left=not padded))
+            self.carry = fused.Carry(chunk, self.spread)
             return
         self._run(batch, padded)
 
@@ -140,18 +145,29 @@ class PipelinedPrefill(PromptProcessingBatch):
         run = mx.async_eval if self.decoding else mx.eval
         run([c.state for c in self.prompt_cache])
 
-    def take_chunk(self) -> fused.Chunk | None:
-        """The chunk left for the next decode step's pass, which that pass now owns; None when
-        there is none."""
-        chunk, self._chunk = self._chunk, None
-        return chunk
+    def through(self, carry: fused.Carry) -> None:
+        """After a decode step's pass carried `carry`: once it went through every layer, the
+        caches hold it whole, as after a pass of its own."""
+        if carry.through(len(self.prompt_cache)):
+            self.carry = None
+            if carry.chunk.padded:
+                self.finalize_chunk()
 
     def flush(self) -> None:
-        """Run a chunk left for a decode step as a pass of its own: before anything reads or
-        reshapes the prompt caches without a decode step having carried it."""
-        chunk = self.take_chunk()
-        if chunk is not None:
-            self._run(chunk.tokens, chunk.padded)
+        """Run a chunk left for the decode steps, or what they left of it, as a pass of its own:
+        before anything reads or reshapes the prompt caches without them having carried it."""
+        carry, self.carry = self.carry, None
+        if carry is None:
+            return
+        if carry.done == 0:
+            self._run(carry.chunk.tokens, carry.chunk.padded)
+            return
+        with positions(self.ropes, self.prompt_cache):
+            fused.carry(self.model, None, [], carry, self.prompt_cache)
+        if carry.chunk.padded:
+            self.finalize_chunk()
+        else:
+            self._evaluate()
 
     def split(self, indices: list[int]) -> Any:
         self.flush()
@@ -260,21 +276,20 @@ class JoiningBatch(GenerationBatch):
         if self._joining:
             return [], []
         partner, model = self.partner, self.model
-        chunk = partner.take_chunk() if partner is not None else None
-        if partner is not None and chunk is not None:
-            self.model = fused.Carrying(model, chunk, partner.prompt_cache, partner.pad_to)
+        carry = partner.carry if partner is not None else None
+        if partner is not None and carry is not None:
+            self.model = fused.Carrying(model, carry, partner.prompt_cache, partner.pad_to)
         self._stepping = True
-        carried = partner.prompt_cache if partner is not None and chunk is not None else []
+        carried = partner.prompt_cache if partner is not None and carry is not None else []
         try:
             with positions(self.ropes, self.prompt_cache, carried):
                 return super()._step()
         finally:
             self._stepping = False
             self.model = model
-            if partner is not None and chunk is not None:
+            if partner is not None and carry is not None:
                 self.chunks_carried += 1
-                if chunk.padded:
-                    partner.finalize_chunk()
+                partner.through(carry)
 
     def extend(self, batch: Any) -> None:
         alone = not self.uids
@@ -355,19 +370,6 @@ class JoiningBatch(GenerationBatch):
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
-
-
-def keeps_cache() -> bool:
-    """Whether blocking prefill chunks leave MLX's buffer cache as it is, rather than empty it
-    after each chunk as mlx-lm does (which bounds a long prompt's memory on Metal).
-
-    On CUDA (mlx 0.32.4, two H200s) a prefill that emptied the cache followed by batch caches
-    that never wait for the device made mlx-lm's next `mx.array(tokens)` fail ("cudaMemcpy ...
-    invalid argument") in 2 of 3 runs; with the cache kept it never did. On the CPU, MLX caps
-    the cache at 32 MiB, so keeping it bounds nothing worth bounding, and emptying it made the
-    prompt's first decode steps allocate afresh: a lone 128-token prompt's first token came
-    0.3 ms later (`synthetic:tiny`, 2-core CPU, 4.7 ms against 4.4)."""
-    return on_cuda() or on_cpu()
 
 
 def install(gen: Any, *, fuse: bool = False, pad_to: int = 0) -> PipelinedPrefill | None:

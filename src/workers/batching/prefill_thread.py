@@ -180,7 +180,7 @@ class PrefillThread:
             tokens=[list(j.held) for j in jobs], prefill_step_size=self._chunk,
         )
         # Chunks that wait for the device (nothing here to pipeline with), and MLX's buffer
-        # cache kept as the worker's prefill keeps it (`prefill.keeps_cache`: on CUDA emptying
+        # cache kept as the worker's prefill keeps it (`choices.keeps_cache`: on CUDA emptying
         # it broke array creation).
         batch.keep_cache = True
         batch.pad_to = self._pad_to
