@@ -11,6 +11,7 @@ import pytest
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from tests.test_integration import prompts
+from tests.test_metrics import parse, value
 from tests.test_prefill_path import run, workload
 from workers.batching import fused
 from workers.batching.budget import PrefillBudget
@@ -161,8 +162,8 @@ async def test_spread_plans_keep_greedy_output_through_the_scheduler(model_cache
                     for i in range(len(ps)):
                         tg.start_soon(one, i)
                         await anyio.sleep(0.002)
-                stats = s.stats()
-        assert stats.prefill_spread == ("prefill_spread" in worker)
+                stats, gauge = s.stats(), value(parse(s.metrics_text()), "prefill_spread")
+        assert stats.prefill_spread == ("prefill_spread" in worker) == (gauge == 1)
         assert stats.running == stats.waiting == stats.engine_batch == stats.blocks_used == 0
         outputs[worker] = [got[i] for i in range(len(ps))]
     first, second = outputs.values()

@@ -123,6 +123,9 @@ class GaugeSource(Protocol):
     def prefill_thread(self) -> bool: ...
 
     @property
+    def prefill_spread(self) -> bool: ...
+
+    @property
     def host_padding(self) -> bool: ...
 
     @property
@@ -276,6 +279,9 @@ class SchedulerMetrics:
              "0 when the chunk runs a pass of its own.", int(stats.fused_prefill)),
             ("prefill_thread", "1 when prompts prefill on a thread of their own beside the decode "
              "steps ([worker] prefill_thread), 0 when they prefill inside them.", int(stats.prefill_thread)),
+            ("prefill_spread", "1 when each plan's prefill chunk is spread over the decode steps until "
+             "the next, a share of the layers each ([worker] prefill_spread), else 0.",
+             int(stats.prefill_spread)),
             ("padded_attention", "1 on CUDA when padded decode rows' attention runs one kernel of "
              "ours rather than MLX's unfused masked path, else 0.", int(stats.padded_attention)),
             ("host_padding", "1 when rows that leave the batch do not wait for the device, 0 when "
