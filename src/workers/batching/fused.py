@@ -227,7 +227,7 @@ def carry(model: Any, inputs: mx.array | None, caches: list[Any], state: Carry,
 
     last = len(layers) - 1
     blank: mx.array | None = None  # every layer's padding rows of its attention output: one array
-    for i in range(first if inputs is None else 0, end if inputs is None else len(layers)):
+    for i in range(len(layers)) if inputs is not None else range(first, end):
         layer, cc = layers[i], chunk_caches[i]
         dc = caches[i] if inputs is not None else None
         if not first <= i < end:
@@ -236,7 +236,8 @@ def carry(model: Any, inputs: mx.array | None, caches: list[Any], state: Carry,
         if i == first:
             pad = [mx.zeros((extra, x.shape[-1]), x.dtype)] if extra else []
             parts = [x, state.hidden, *pad] if layout is None else [state.hidden, *pad, x]
-            x = mx.concatenate([p for p in parts if p.shape[0]])
+            parts = [p for p in parts if p.shape[0]]
+            x = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         k, v = attn.k_proj(h), attn.v_proj(h)
