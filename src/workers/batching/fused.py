@@ -177,7 +177,7 @@ class Carry:
         return self.done >= layers
 
 
-def _decode_layer(layer: Any, x: mx.array, rows: int, cache: Any, mask: Any) -> mx.array:
+def decode_layer(layer: Any, x: mx.array, rows: int, cache: Any, mask: Any) -> mx.array:
     """One layer for the decode rows alone, as a fused layer computes their part."""
     attn = layer.self_attn
     h = layer.input_layernorm(x)
@@ -231,7 +231,7 @@ def carry(model: Any, inputs: mx.array | None, caches: list[Any], state: Carry,
         layer, cc = layers[i], chunk_caches[i]
         dc = caches[i] if inputs is not None else None
         if not first <= i < end:
-            x = _decode_layer(layer, x, rows, dc, decode_mask)
+            x = decode_layer(layer, x, rows, dc, decode_mask)
             continue
         if i == first:
             pad = [mx.zeros((extra, x.shape[-1]), x.dtype)] if extra else []
