@@ -98,6 +98,9 @@
 #   prefill-thread benchmarks/prefill_thread.py: a pass of $THREAD_CHUNKS (prompts x tokens) queued on the
 #               decode's stream every 6 steps, or passes back to back on a second thread and stream,
 #               beside a pipelined decode of 64 rows: the decode's gaps, and the work both got done
+#   carry-graph benchmarks/carry_graph.py: the primitives a step hands MLX on this backend, a decode step
+#               alone, one carrying a plan's chunk whole, and each share of one spread over 2-4 steps
+#               ([worker] prefill_spread), for narrow copies of the 1B and 0.5B layouts (runs once)
 #   prefill-parts benchmarks/prefill_parts.py: one batched prefill pass of 8 prompts of 64-512 tokens,
 #               part by part, synchronized (plain pass, batch cache, right padding, finalize, join),
 #               with cuDNN's attention off (the default) and on (CUDNN="0 1")
@@ -183,6 +186,9 @@ from workers.loading.models import resolve_model; convert(str(resolve_model(sys.
           timeout "$limit" python3 -P benchmarks/prefill_thread.py --model "$(spec "$m")" --rows ${MIXED_ROWS:-64} \
             --chunk "$c" --steps 200 --every 6 --repeat ${REPEAT:-3} --out "$out/prefill-thread-$m-$c.json"
         done ;;
+      carry-graph)
+        [ "$m" = "${models[0]}" ] || continue
+        timeout "$limit" python3 -P benchmarks/carry_graph.py --out "$out/carry-graph.json" ;;
       prefill-parts)
         for c in ${CUDNN:-0 1}; do
           MLX_CUDA_USE_CUDNN_SDPA=$c timeout "$limit" python3 -P benchmarks/prefill_parts.py --model "$(spec "$m")" \

@@ -172,8 +172,9 @@ FLAGS = ("", "mlx", "blocking", "nofuse", "perlayer", "apart", "padjoin", "copyr
 
 def engine_for(model: Any, args: argparse.Namespace, variant: str) -> MLXEngine:
     """Our engine for a variant: a budget (`448x4`: with `prefill_every`), with `:mlx`,
-    `:blocking`, `:nofuse`, `:perlayer`, `:apart`, `:padjoin`, `:copyrows`, `:mlxchunk` or `:padded`
-    (the header). The last six are process-wide: they hold until the next variant's engine."""
+    `:blocking`, `:nofuse`, `:perlayer`, `:apart`, `:padjoin`, `:copyrows`, `:mlxchunk`, `:padded`,
+    `:thread` or `:spread` (the header). `:perlayer` to `:padded` are process-wide: they hold until
+    the next variant's engine."""
     budget_text, _, flag = variant.partition(":")
     if flag not in FLAGS:
         raise SystemExit(f"unknown variant flag {flag!r} in {variant!r} (one a variant): known {FLAGS[1:]}")
