@@ -12,6 +12,7 @@ from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from scheduler.assembly import real_engine_factory
 from tests.fakes import FakeEngine, fake_factory, fake_token
 from tests.test_integration import prompts
+from tests.test_metrics import parse, value
 from workers.batching.budget import AUTO_MAX_DEMANDS, AUTO_MIN_TOKENS, AUTO_START, PrefillBudget
 from workers.batching.choices import cadence
 from workers.batching.engine import MLXEngine
@@ -113,7 +114,8 @@ async def test_budget_keeps_greedy_output_identical_on_the_real_engine(model_cac
     ps = prompts(24, seed=31, vocab=900)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outputs: dict[str, list[list[int]]] = {}
-    for budget in ("0", "24", '"auto"'):
+    # The last: plans of three steps' budget, each spread over three steps (`prefill_spread`).
+    for budget in ("0", "24", '"auto"', "32\nprefill_every = 3\nprefill_spread = true"):
         cfg = SchedulerConfig.from_toml(
             f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"\n'
             f"[worker]\nmax_batch = 8\nprefill_step = 64\nstep_token_budget = {budget}"
@@ -129,8 +131,11 @@ async def test_budget_keeps_greedy_output_identical_on_the_real_engine(model_cac
                     for i in range(len(ps)):
                         tg.start_soon(one, i)
                         await anyio.sleep(0.002)
+                stats, gauge = s.stats(), value(parse(s.metrics_text()), "prefill_spread")
+        assert stats.prefill_spread == ("prefill_spread" in budget) == (gauge == 1)
+        assert stats.running == stats.waiting == stats.engine_batch == stats.blocks_used == 0
         outputs[budget] = [got[i] for i in range(len(ps))]
-    assert outputs["0"] == outputs["24"] == outputs['"auto"']
+    assert len({str(o) for o in outputs.values()}) == 1, "every budget gives the same tokens"
 
 
 def test_full_speed_prefill_packs_short_prompts_into_one_pass() -> None:

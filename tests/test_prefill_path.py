@@ -18,6 +18,7 @@ from workers.batching.prefill import PipelinedPrefill
 from workers.messages import Admit, SamplingSpec
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
 pytestmark = pytest.mark.integration
@@ -42,11 +43,12 @@ def engine(model: Any, ours: bool, *, queue_chunks: bool = True, budget: int = 2
 
 
 def run(e: MLXEngine, admits: list[Admit], extra: list[tuple[bool, int]] | None = None,
-        calls: list[int] | None = None) -> dict[int, list[int]]:
+        calls: list[int] | None = None, *, after: Callable[[MLXEngine], None] | None = None,
+        close: bool = True) -> dict[int, list[int]]:
     """Half the requests at once, the rest two a step while the first decode. With `calls` (a
     running count of forward passes), each step's passes beyond its decode pass (when rows were
     decoding) and its prefill chunk (when it prefilled) go into `extra`, with whether rows were
-    decoding."""
+    decoding. `after` is called after each step; `close`: close the engine at the end."""
     out: dict[int, list[int]] = {a.rid: [] for a in admits}
     half = len(admits) // 2
     e.insert(admits[:half])
@@ -61,7 +63,10 @@ def run(e: MLXEngine, admits: list[Admit], extra: list[tuple[bool, int]] | None 
             extra.append((decoding, calls[0] - before - decoding - (r.prefill_tokens > 0)))
         for rid, tok in zip(r.rids, r.tokens, strict=True):
             out[rid].append(tok)
-    e.close()
+        if after is not None:
+            after(e)
+    if close:
+        e.close()
     return out
 
 

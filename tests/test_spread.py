@@ -6,12 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import pytest
 
-from scheduler import SamplingParams, Scheduler, SchedulerConfig
-from tests.test_integration import prompts
-from tests.test_metrics import parse, value
+from scheduler import SchedulerConfig
 from tests.test_prefill_path import run, workload
 from workers.batching import fused
 from workers.batching.budget import PrefillBudget
@@ -76,22 +73,17 @@ def test_spread_plans_give_the_tokens_of_whole_ones_a_share_of_layers_a_step(
 def test_a_row_removed_midway_through_a_spread_chunk_leaves_nothing_behind(tiny_model: Any) -> None:
     admits = workload(12, seed=6)
     want = run(planned(tiny_model, False), admits)
-    e = planned(tiny_model, True)
-    e.insert(admits[:6])
-    later = admits[6:]
-    out: dict[int, list[int]] = {a.rid: [] for a in admits}
     removed: list[int] = []
-    while e.has_work() or later:
-        e.insert(later[:2])
-        later = later[2:]
-        r = e.step()
-        for rid, tok in zip(r.rids, r.tokens, strict=True):
-            out[rid].append(tok)
+
+    def remove_midway(e: MLXEngine) -> None:
         batch = e._prefill
         if not removed and batch is not None and batch.carry is not None and batch.carry.done:
-            removed = [e._rid_of[batch.uids[0]]]  # its prompt went through some layers, not all
+            removed.append(e._rid_of[batch.uids[0]])  # its prompt went through some layers, not all
             e.remove(removed)
             assert batch.carry is None  # what was left of the chunk ran before the row left
+
+    e = planned(tiny_model, True)
+    out = run(e, admits, after=remove_midway, close=False)
     assert removed and out[removed[0]] == []
     assert {rid: t for rid, t in out.items() if rid not in removed} == {
         rid: t for rid, t in want.items() if rid not in removed}
@@ -138,36 +130,6 @@ def test_a_spread_chunk_is_finished_alone_when_its_steps_are_cut_short(
     spread = cut_short(planned(tiny_model, True, budget=64))
     assert alone == [(1, LAYERS)]
     assert spread == whole and [len(spread[i]) for i in (100, 0, 1, 2)] == [2, 5, 5, 5]
-
-
-@pytest.mark.anyio
-@pytest.mark.integration
-async def test_spread_plans_keep_greedy_output_through_the_scheduler(model_cache: Path) -> None:
-    ps = prompts(24, seed=37, vocab=900)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    outputs: dict[str, list[list[int]]] = {}
-    for worker in ("step_token_budget = 0", "step_token_budget = 32\nprefill_every = 3\nprefill_spread = true"):
-        cfg = SchedulerConfig.from_toml(
-            f'[model]\npath = "synthetic:tiny"\ncache_dir = "{model_cache}"\n'
-            f"[worker]\nmax_batch = 8\nprefill_step = 64\n{worker}"
-        )
-        with anyio.fail_after(120):
-            async with Scheduler(cfg) as s:
-                got: dict[int, list[int]] = {}
-
-                async def one(i: int) -> None:
-                    got[i] = (await s.complete(ps[i], params)).token_ids  # noqa: B023
-
-                async with anyio.create_task_group() as tg:
-                    for i in range(len(ps)):
-                        tg.start_soon(one, i)
-                        await anyio.sleep(0.002)
-                stats, gauge = s.stats(), value(parse(s.metrics_text()), "prefill_spread")
-        assert stats.prefill_spread == ("prefill_spread" in worker) == (gauge == 1)
-        assert stats.running == stats.waiting == stats.engine_batch == stats.blocks_used == 0
-        outputs[worker] = [got[i] for i in range(len(ps))]
-    first, second = outputs.values()
-    assert first == second
 
 
 @pytest.mark.parametrize(("worker", "spread"), [
