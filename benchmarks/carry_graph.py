@@ -13,8 +13,9 @@ This counts the primitives each graph holds, on this backend:
 - `spread N`: each of N steps carrying a share of the layers.
 
 A graph's size depends on the layers, their kinds and the backend, not on their widths, so the
-models are narrow copies of real layouts (`--layout`): `llama-1b` (Llama-3.2-1B's 16 llama blocks)
-and `qwen-0.5b` (Qwen2.5-0.5B's 24 qwen2 blocks). The chunk: `--prompts` prompts of 64-512 tokens
+models are narrow copies of real layouts, 256 wide in heads of 64 (`--layout`): `llama-1b`
+(Llama-3.2-1B's 16 llama blocks) and `qwen-0.5b` (Qwen2.5-0.5B's 24 qwen2 blocks); on CUDA in
+bfloat16, with our padded decode attention, as the engine serves them. The chunk: `--prompts` prompts of 64-512 tokens
 (seeded), padded on the left to the longest and ragged where that pays, as a whole-prompt plan is;
 `--rows` decode rows of mixed left padding.
 
@@ -42,19 +43,28 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache
 
 from workers.batching import fused
+from workers.batching.hostpad import host_padded
+from workers.batching.padded_attention import install as install_padded_attention
+from workers.loading.dtypes import on_cuda
 
 LAYOUTS = {"llama-1b": ("llama", 16), "qwen-0.5b": ("qwen2", 24), "llama-4": ("llama", 4)}
 """(block kind, layers) of the real layouts counted, and a small one for tests."""
 
 
 def narrow(layout: str) -> Any:
-    """A model of `layout`'s blocks, 128 wide, random weights."""
+    """A model of `layout`'s blocks, 128 wide (heads of 64, as the real ones'), random weights.
+    On CUDA in bfloat16 with our padded decode attention installed, as the engine serves it."""
     kind, layers = LAYOUTS[layout]
-    shape: dict[str, Any] = dict(hidden_size=128, num_hidden_layers=layers, intermediate_size=256,
+    shape: dict[str, Any] = dict(hidden_size=256, num_hidden_layers=layers, intermediate_size=256,
                                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
                                  vocab_size=512)
     module = llama if kind == "llama" else qwen2
     model = module.Model(module.ModelArgs(model_type=kind, **shape))
+    if on_cuda():
+        model.set_dtype(mx.bfloat16)
+        unavailable = install_padded_attention(model)
+        if unavailable:
+            print(f"our padded decode attention is not installed: {unavailable}")
     mx.eval(model.parameters())
     return model
 
@@ -69,10 +79,11 @@ def primitives(arrays: list[mx.array]) -> collections.Counter[str]:
 
 def decoding(model: Any, rows: int) -> list[Any]:
     """Batch caches of `rows` rows that hold 20 positions, left-padded by 0-4, computed."""
-    caches = [BatchKVCache([r % 5 for r in range(rows)]) for _ in model.model.layers]
+    padding = [r % 5 for r in range(rows)]
+    caches = [BatchKVCache(padding) for _ in model.model.layers]
     model(mx.array([[1] * 20] * rows), cache=caches)
     mx.eval([c.state for c in caches])
-    return caches
+    return host_padded(caches, padding)  # as the engine's decode rows hold them
 
 
 def plan(prompts: int, seed: int = 0) -> tuple[fused.Chunk, list[int]]:
