@@ -165,6 +165,16 @@ class Carry:
         """The chunk's rows after `done` layers (its real tokens' where it is `Ragged`)."""
         self.mask: Any = None
         """The chunk's attention mask, made before any layer stored it."""
+        self._outputs: dict[int, tuple[mx.array, mx.array]] = {}
+
+    def outputs(self, extra: int) -> tuple[mx.array, mx.array]:
+        """Its `Ragged` layout's `outputs(extra)`, made once for each `extra` (arrays from host
+        values cost an allocation and a copy each time), as each pass asks."""
+        layout = self.chunk.layout
+        assert layout is not None
+        if extra not in self._outputs:
+            self._outputs[extra] = layout.outputs(extra)
+        return self._outputs[extra]
 
     def span(self, layers: int) -> tuple[int, int]:
         """The layers the next pass takes it through: an equal share of those left over the
@@ -219,7 +229,7 @@ def carry(model: Any, inputs: mx.array | None, caches: list[Any], state: Carry,
     d0, c0 = (0, rows) if layout is None else (real + extra, 0)
     d = slice(d0, d0 + rows)
     if layout is not None:
-        out_rows, out_cols = layout.outputs(extra)
+        out_rows, out_cols = state.outputs(extra)
 
     def padded(t: mx.array) -> mx.array:
         """The chunk's part of `t`, in the padded layout."""
