@@ -15,9 +15,9 @@ This counts the primitives each graph holds, on this backend:
 A graph's size depends on the layers, their kinds and the backend, not on their widths, so the
 models are narrow copies of real layouts, 256 wide in heads of 64 (`--layout`): `llama-1b`
 (Llama-3.2-1B's 16 llama blocks) and `qwen-0.5b` (Qwen2.5-0.5B's 24 qwen2 blocks); on CUDA in
-bfloat16, with our padded decode attention, as the engine serves them. The chunk: `--prompts` prompts of 64-512 tokens
-(seeded), padded on the left to the longest and ragged where that pays, as a whole-prompt plan is;
-`--rows` decode rows of mixed left padding.
+bfloat16, with our padded decode attention, as the engine serves them. The chunk: `--prompts`
+prompts of 64-512 tokens (seeded), padded on the left to the longest and ragged where that pays,
+as a whole-prompt plan is; `--rows` decode rows of mixed left padding.
 
     python benchmarks/carry_graph.py --layout llama-1b qwen-0.5b --spread 2 4
 """
