@@ -104,8 +104,7 @@ def flat_decode(model: Any, inputs: mx.array, caches: list[Any]) -> mx.array:
     x = hidden.reshape(rows, -1)
     for layer, cache in zip(inner.layers, caches, strict=True):
         x = fused.decode_layer(layer, x, rows, cache, mask)
-    logits: mx.array = inner.embed_tokens.as_linear(inner.norm(x)[:, None])
-    return logits
+    return fused.logits_of(model, x)
 
 
 def carried(model: Any, rows: int, prompts: int, passes: int, pad_rows: int) -> list[collections.Counter[str]]:

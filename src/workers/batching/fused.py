@@ -284,10 +284,15 @@ def carry(model: Any, inputs: mx.array | None, caches: list[Any], state: Carry,
         state.hidden = state.mask = None
     if inputs is None:
         return None
-    out = inner.norm(x)[:, None]
+    return logits_of(model, x)
+
+
+def logits_of(model: Any, x: mx.array) -> mx.array:
+    """The logits, `(rows, 1, vocab)`, of the decode rows' last hidden state `x` (`(rows, hidden)`)."""
+    out = model.model.norm(x)[:, None]
     logits: mx.array
     if model.args.tie_word_embeddings:
-        logits = inner.embed_tokens.as_linear(out)
+        logits = model.model.embed_tokens.as_linear(out)
     else:
         logits = model.lm_head(out)
     return logits
