@@ -4,6 +4,7 @@ with `--ramp` only the steady window after it counts, and without one everything
 from __future__ import annotations
 
 import argparse
+import gc
 from pathlib import Path
 
 import anyio
@@ -16,7 +17,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "stall.py"
 def _args(**kw: float) -> argparse.Namespace:
     base = dict(model="synthetic:tiny", concurrency=4, prefill_batch=2, prefill_step=64, prompt_min=8,
                 prompt_max=40, prompt_tokens=0, max_tokens=12, max_tokens_min=0, seed=0, seconds=1.0,
-                ramp=0.0)
+                ramp=0.0, freeze_heap=True)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -52,3 +53,14 @@ def test_a_ramped_run_reports_only_its_window(model_cache: Path) -> None:
     assert result["requests"] > 0
     # Tokens over the window's length, not over the run with its ramp and drain.
     assert result["tok_s"] >= len(times) / 1.5
+
+
+def test_each_run_freezes_its_heap_as_serve_does_and_thaws_it_after(model_cache: Path) -> None:
+    stall = load_script(SCRIPT, "stall_script")
+    for freeze in (True, False):
+        args = _args(seconds=0.5, freeze_heap=freeze)
+        result = anyio.run(lambda a=args: stall.run(stall.make_config(a, "0"), a, rate=None))
+        # Frozen: the scheduler's startup heap (imports, model objects) out of full collections.
+        assert (result["heap_frozen"] > 10_000) is freeze and (result["heap_frozen"] == 0) is not freeze
+        assert gc.get_freeze_count() == 0  # the next variant starts from an unfrozen heap
+        assert result["requests"] > 0
