@@ -136,7 +136,8 @@ def test_a_spread_chunk_is_finished_alone_when_its_steps_are_cut_short(
     ("prefill_spread = true\nprefill_every = 3", True),
     ("prefill_spread = true", False),  # every step plans on the CPU: nothing to spread over
     ("prefill_spread = true\nprefill_every = 3\nfuse_prefill = false", False),  # chunks run alone
-    ("prefill_every = 3", False),
+    ("prefill_every = 3", False),  # "auto": spread on CUDA only
+    ("prefill_spread = true\nprefill_every = 3\nstep_token_budget = 0", False),  # no plans to spread
 ])
 def test_the_prefill_spread_setting_reaches_the_engine_where_it_can_act(
     model_cache: Path, worker: str, spread: bool
@@ -155,3 +156,19 @@ def test_the_prefill_spread_setting_reaches_the_engine_where_it_can_act(
 def test_a_bad_prefill_spread_setting_is_named() -> None:
     with pytest.raises(ValueError, match="prefill_spread"):
         SchedulerConfig.from_toml('[worker]\nprefill_spread = "sometimes"')
+
+
+def test_auto_spreads_plans_of_1024_tokens_a_step_on_cuda_only() -> None:
+    from workers.batching.choices import cadence, spreads, token_budget
+
+    # CUDA: 1,024 tokens a step, planned one step in four, each plan spread over its four steps.
+    assert (token_budget("auto", gpu=True, cuda=True), cadence("auto", cuda=True),
+            spreads("auto", cuda=True)) == (1024, 4, True)
+    assert token_budget("auto", gpu=True, cuda=False) == 0  # Metal: not measured, off
+    assert token_budget("auto", gpu=False) == "auto"  # the CPU's demand-sized budget
+    assert not spreads("auto", cuda=False)
+    for gpu, cuda in ((True, True), (True, False), (False, False)):
+        assert token_budget(0, gpu=gpu, cuda=cuda) == 0 and token_budget(300, gpu=gpu, cuda=cuda) == 300
+    assert spreads(True, cuda=False) and not spreads(False, cuda=True)
+    with pytest.raises(ValueError, match="prefill_spread"):
+        spreads("sometimes", cuda=True)

@@ -113,20 +113,22 @@ class WorkerSection(_Section):
     """Prompt tokens prefilled per engine step while others decode: bounds their inter-token
     latency (stall-free batching). "auto": on CPU, what keeps a full batch fed (prompt tokens of
     the rows that finish a step, with headroom, plus free slots filled, at most twice that),
-    spread over steps; on a GPU, off. 0 turns the bound off."""
+    spread over steps; on CUDA, 1,024 (plans of `prefill_every` steps' budget, each spread over
+    those steps: `prefill_spread`); on Metal, off (not measured there). 0 turns the bound off."""
     prefill_every: PositiveInt | Literal["auto"] = "auto"
     """Under a `step_token_budget`, while others decode, prefill plans up to this many steps'
     budget at once, in whole prompts, and the steps after it only decode for as long as its tokens
     take at the budget's rate (at most this many less one). Where a step that carries prefill costs
     mostly its launches, not its arithmetic (CUDA), fewer and larger chunks cost fewer such steps.
     "auto": 4 on CUDA, 1 (every step) elsewhere."""
-    prefill_spread: bool = False
+    prefill_spread: bool | Literal["auto"] = "auto"
     """Under a `step_token_budget` with `prefill_every` above 1, each plan's chunk is spread over
     the plan's step and the `prefill_every - 1` steps after it, a share of the model's layers each,
     rather than carried whole by the first of them while the others only decode. A step that
     carries a chunk costs a GPU's host about the same whatever its size, mostly per layer, so
     each step then bears a share of that instead of one step all of it. Needs the one-pass step
-    (`fuse_prefill`): without it there is nothing to spread."""
+    (`fuse_prefill`): without it there is nothing to spread. "auto": on CUDA (where `prefill_every`
+    is 4), not elsewhere (where plans are made every step)."""
     prefill_thread: bool = False
     """Prefill prompts on a thread (and an MLX stream) of their own, beside the decode steps,
     rather than inside them: passes of up to `prefill_batch` x `prefill_step` padded tokens (at

@@ -121,7 +121,7 @@ def mlx_engine_factory(
     step_token_budget: int | str = "auto",
     prefill_every: int | str = "auto",
     prefill_thread: bool = False,
-    prefill_spread: bool = False,
+    prefill_spread: bool | str = "auto",
     prefill_chunks: str = "auto",
     prefill_pack: bool = True,
     prefill_order: str = "arrival",

@@ -7,6 +7,7 @@ from workers.loading.dtypes import on_cpu, on_cuda
 
 AUTO_PAD = 64
 AUTO_EVERY_CUDA = 4
+AUTO_BUDGET_CUDA = 1024
 
 
 def fuses(setting: bool | str, *, gpu: bool, cuda: bool = False) -> bool:
@@ -51,13 +52,30 @@ def cadence(setting: int | str, *, cuda: bool) -> int:
     raise ValueError(f"prefill_every must be 'auto' or an integer >= 1, got {setting!r}")
 
 
-def token_budget(setting: int | str, *, gpu: bool) -> int | str:
-    """`[worker] step_token_budget` as the budget takes it. "auto" is 0 (off) on a GPU. Measured
-    on an H200 (docs/stalls.md): a step that carries prefill costs about two decode steps more
-    whatever it carries, so budgets small enough to bound ITL p99 within 3x its p50 kept
-    0.67-0.87x budget 0's throughput, and larger ones (1,024 a step, one step in four) 0.86-1.02x
-    with ITL p99 still 2.7-4.7x its p50."""
-    return 0 if setting == "auto" and gpu else setting
+def token_budget(setting: int | str, *, gpu: bool, cuda: bool = False) -> int | str:
+    """`[worker] step_token_budget` as the budget takes it. "auto": 1,024 tokens a step on CUDA
+    (with `cadence`'s plans of four steps' budget, each spread over those four steps: `spreads`),
+    0 (off) on Metal (not measured there), the demand-sized budget on the CPU. On an H100
+    (docs/stalls.md, 2026-12-07; 0.5B and 1B shapes, 32 and 64 streams) that kept 0.95-1.05x
+    budget 0's tokens/s with ITL p99 at 2.0-3.3x its p50 (budget 0: 3.3-5.7x), where carried
+    whole a plan that size had given 0.89x on the 1B shape and 3.1x. Before plans were spread,
+    budgets small enough to bound ITL kept 0.67-0.87x of budget 0's throughput on an H200."""
+    if setting == "auto" and gpu:
+        return AUTO_BUDGET_CUDA if cuda else 0
+    return setting
+
+
+def spreads(setting: bool | str, *, cuda: bool) -> bool:
+    """`[worker] prefill_spread`: "auto" spreads a plan's chunk over the steps until the next on
+    CUDA, where a step that carries a chunk costs the host its launches, a share a layer, more
+    than its arithmetic (on an H100 the 1B shape's ITL p99 at 64 streams fell from 29.6 to 20.9
+    ms at 1,024 x 4, with 1.11x the tokens/s of the chunk carried whole). Elsewhere plans are
+    made every step (`cadence`), and there is nothing to spread over."""
+    if setting == "auto":
+        return cuda
+    if isinstance(setting, bool):
+        return setting
+    raise ValueError(f"prefill_spread must be true, false or 'auto', got {setting!r}")
 
 
 def keeps_cache() -> bool:

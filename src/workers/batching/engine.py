@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from workers.batching.budget import PrefillBudget
 from workers.batching.cachekinds import cache_support
-from workers.batching.choices import cadence, fuses, pads, token_budget
+from workers.batching.choices import cadence, fuses, pads, spreads, token_budget
 from workers.batching.contract import StepResult
 from workers.batching.fused import unfusable
 from workers.batching.grammar import GrammarRows
@@ -72,7 +72,7 @@ class MLXEngine:
         prefill_pad: int | str = "auto",
         prefill_every: int | str = "auto",
         prefill_thread: bool = False,
-        prefill_spread: bool = False,
+        prefill_spread: bool | str = "auto",
     ) -> None:
         self._grammar = None if grammar is None else GrammarRows(grammar, self._decoding_inputs)
         # Sessions need caches mlx-lm can extract and re-insert; prefix blocks need plain KVCaches.
@@ -94,15 +94,17 @@ class MLXEngine:
         """Prefill passes' prompts are right-padded to a multiple of this many tokens (0: not)."""
         self.prefill_every = cadence(prefill_every, cuda=cuda)
         """Under a budget, while rows decode, prefill plans up to this many steps' budget at once."""
+        budget = token_budget(step_token_budget, gpu=gpu, cuda=cuda)
+        spread = spreads(prefill_spread, cuda=cuda) and self.fused and self.prefill_every > 1 and budget != 0
         self._budget = PrefillBudget(
-            token_budget(step_token_budget, gpu=gpu),
+            budget,
             max_chunk=prefill_step,
             max_prompts=min(prefill_batch, max_batch),
             max_batch=max_batch,
             pack=pack_prompts,
             granule=self.prefill_pad,
             every=self.prefill_every,
-            spread=prefill_spread and self.fused,
+            spread=spread,
         )
         self._order = ShortestFirst() if shortest_first else None
         self._model = model
@@ -127,7 +129,7 @@ class MLXEngine:
         self._ahead_tokens = 0
         """Prompt tokens the prefill thread computed for the rows joined since the last step."""
         self._install()
-        self.prefill_spread = prefill_spread and self.fused and self.prefill_every > 1
+        self.prefill_spread = spread
         """Whether a plan's chunk is spread over the steps until the next, a share of the layers each."""
         self.mask_free = MaskFreeDecode(mask_free)
         self.mask_free_unavailable = self.mask_free.unavailable or (
