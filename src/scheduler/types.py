@@ -130,8 +130,8 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     at once, and rests while its tokens take (`[worker] prefill_every`; "auto": 4 on CUDA, else 1)."""
     prefill_spread: bool = False
     """True when each plan's prefill chunk is spread over the steps until the next plan, a share of
-    the model's layers each (`[worker] prefill_spread`, with `prefill_every` above 1 and the one-pass
-    step); false otherwise."""
+    the model's layers each (`[worker] prefill_spread`, "auto": on CUDA; with a step token budget,
+    `prefill_every` above 1 and the one-pass step); false otherwise."""
     prefill_thread: bool = False
     """True when prompts prefill on a thread of their own beside the decode steps (`[worker]
     prefill_thread`, off by default); false when off, or when the model's caches cannot leave
