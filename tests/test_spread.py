@@ -12,6 +12,7 @@ from scheduler import SchedulerConfig
 from tests.test_prefill_path import run, workload
 from workers.batching import fused
 from workers.batching.budget import PrefillBudget
+from workers.batching.choices import cadence, spreads, token_budget
 from workers.batching.engine import MLXEngine
 from workers.batching.mlxlm import queue_sizes
 from workers.messages import Admit, SamplingSpec
@@ -159,8 +160,6 @@ def test_a_bad_prefill_spread_setting_is_named() -> None:
 
 
 def test_auto_spreads_plans_of_1024_tokens_a_step_on_cuda_only() -> None:
-    from workers.batching.choices import cadence, spreads, token_budget
-
     # CUDA: 1,024 tokens a step, planned one step in four, each plan spread over its four steps.
     assert (token_budget("auto", gpu=True, cuda=True), cadence("auto", cuda=True),
             spreads("auto", cuda=True)) == (1024, 4, True)

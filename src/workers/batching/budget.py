@@ -124,9 +124,9 @@ class PrefillBudget:
         if self._every > 1:
             prompts, tokens = self.fitting(chunks, budget, in_prefill + room)
             rate = max(1, budget // self._every)
-            self._resting = min(self._every - 1, max(0, -(-tokens // rate) - 1))
-            if self._spread and tokens:
-                self._resting = self._every - 1
+            # Spread, the plan's chunk needs every step until the next plan, however few its tokens.
+            self._resting = (self._every - 1 if self._spread and tokens
+                             else min(self._every - 1, max(0, -(-tokens // rate) - 1)))
             return self._max_chunk, prompts
         cap = max(1, min(self._max_prompts, budget // MIN_CHUNK))
         joining = max(0, min(cap - in_prefill, room, waiting))

@@ -95,7 +95,9 @@ class MLXEngine:
         self.prefill_every = cadence(prefill_every, cuda=cuda)
         """Under a budget, while rows decode, prefill plans up to this many steps' budget at once."""
         budget = token_budget(step_token_budget, gpu=gpu, cuda=cuda)
-        spread = spreads(prefill_spread, cuda=cuda) and self.fused and self.prefill_every > 1 and budget != 0
+        self.prefill_spread = (spreads(prefill_spread, cuda=cuda) and self.fused and self.prefill_every > 1
+                               and budget != 0)
+        """Whether a plan's chunk is spread over the steps until the next, a share of the layers each."""
         self._budget = PrefillBudget(
             budget,
             max_chunk=prefill_step,
@@ -104,7 +106,7 @@ class MLXEngine:
             pack=pack_prompts,
             granule=self.prefill_pad,
             every=self.prefill_every,
-            spread=spread,
+            spread=self.prefill_spread,
         )
         self._order = ShortestFirst() if shortest_first else None
         self._model = model
@@ -129,8 +131,6 @@ class MLXEngine:
         self._ahead_tokens = 0
         """Prompt tokens the prefill thread computed for the rows joined since the last step."""
         self._install()
-        self.prefill_spread = spread
-        """Whether a plan's chunk is spread over the steps until the next, a share of the layers each."""
         self.mask_free = MaskFreeDecode(mask_free)
         self.mask_free_unavailable = self.mask_free.unavailable or (
             "" if self.support.prefix_blocks else
