@@ -89,7 +89,11 @@
 #               (32 64), 48 tokens each, $STALL_S (10) s a run counted after a ramp of $STALL_RAMP
 #               (5) s (the loop's start is a burst: stall.py --ramp; 0 counts from it), $REPEAT (2) rounds, for each of
 #               $STALL_VARIANTS (default "0 auto"; flags such as 0:queued, 0:mlxpad: stall.py's header);
-#               $STALL_ARGS adds options ("--max-tokens 96 --max-tokens-min 16": varied output lengths)
+#               $STALL_ARGS adds options ("--max-tokens 96 --max-tokens-min 16": varied output lengths).
+#               On an H100 each in-process run takes about 19 s and each mlx_lm.server run 46 s, and a
+#               fresh machine's first process 30 s more to build kernels: "0 auto" at REPEAT=3 needs
+#               LIMIT_S=150 a cell (180 for the first), with mlx_lm.server 290. LIMIT_S applies to each
+#               cell; a cell cut short keeps the runs it finished in its JSON ("complete": false)
 #   mixed-step  benchmarks/mixed_step.py: a prefill chunk inside the decode step's forward pass
 #               against the two passes apart, host build and wall ms ($MIXED_CHUNKS, prompts x tokens;
 #               MIXED_ARGS=--vary: a new chunk length every step)

@@ -33,6 +33,9 @@ each stream sends only one or two requests, so the TTFT p99 is mostly the burst'
 lets the loop run that long before anything counts, and then counts only the next `--seconds`:
 the steady state (tokens/s over that window, without the drain after it).
 
+The JSON is rewritten after every run (`"complete": false` until the last), so a process killed
+at a time limit leaves the runs it finished and their medians.
+
 The variant `mlx_lm.server` runs the same closed loop against mlx-lm's server (started here with
 the same batch sizes, on this process's OpenBLAS, on a copy of the model that never samples EOS),
 over HTTP with text prompts of the same token lengths. The side-by-side mode also plots each
@@ -45,6 +48,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -313,7 +317,6 @@ def main() -> None:
 def compare(args: argparse.Namespace) -> None:
     """The closed loop for each of `args.variants`, repeated in rotating order; medians."""
     import os
-    import statistics
 
     import mlx.core as mx
 
@@ -363,6 +366,7 @@ def compare(args: argparse.Namespace) -> None:
             traces.setdefault(variant, result.pop("itl_trace"))
             runs[variant].append(result)
             loads.append(os.getloadavg()[0])
+            write_results(args, runs, loads, complete=False)
             print(f"  {variant}: {result['tok_s']:.0f} tok/s, ITL p99/p50 "
                   f"{float(result['itl_p99_ms']) / float(result['itl_p50_ms']):.2f}, ITL max "
                   f"{float(result['itl_max_ms']):.0f} ms; GC pauses (gen 0/1/2) "
@@ -371,9 +375,7 @@ def compare(args: argparse.Namespace) -> None:
                   f"{max(float(result.get(f'gc{g}_max_ms', 0)) for g in (0, 1)):.1f} ms (gen 0-1)",
                   flush=True)
 
-    def med(variant: str, key: str) -> float:
-        return statistics.median(float(r[key]) for r in runs[variant])  # type: ignore[arg-type]
-
+    table = write_results(args, runs, loads, complete=True)
     base = args.variants[0]
     prompts = f"{args.prompt_min}-{args.prompt_max}" if args.prompt_min else str(args.prompt_tokens)
     output = f"{args.max_tokens_min}-{args.max_tokens}" if args.max_tokens_min else args.max_tokens
@@ -382,21 +384,45 @@ def compare(args: argparse.Namespace) -> None:
           f"medians of {args.repeat}; load {min(loads):.2f}-{max(loads):.2f}")
     print(f"{'budget':<16} {'tok/s':>7} {'x ' + base:>8} {'ITL p50':>8} {'ITL p99':>8} {'p99/p50':>8} "
           f"{'TTFT p99':>9} {'x ' + base:>8}")
-    table = {}
-    for v in args.variants:
+    for v, row in table.items():
+        print(f"{v:<16} {row['tok_s']:>7.0f} {row['tok_s_x']:>8.3f} {row['itl_p50_ms']:>8.1f} "
+              f"{row['itl_p99_ms']:>8.1f} {row['p99_over_p50']:>8.2f} {row['ttft_p99_ms']:>9.0f} "
+              f"{row['ttft_p99_x']:>8.2f}")
+    print(f"wrote {args.out}")
+    plot_over_time(traces, args, Path(args.out).with_suffix(".png"))
+
+
+def medians(runs: dict[str, list[dict[str, object]]], base: str) -> dict[str, dict[str, float]]:
+    """Each variant's medians over the runs it has (none: left out), with its ratios to `base`'s
+    (left out while `base` has none)."""
+    def med(variant: str, key: str) -> float:
+        return statistics.median(float(r[key]) for r in runs[variant])  # type: ignore[arg-type]
+
+    table: dict[str, dict[str, float]] = {}
+    for v, done in runs.items():
+        if not done:
+            continue
         row = {k: med(v, k) for k in ("tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_p99_ms")}
         row["p99_over_p50"] = statistics.median(
-            float(r["itl_p99_ms"]) / float(r["itl_p50_ms"]) for r in runs[v])  # type: ignore[arg-type]
+            float(r["itl_p99_ms"]) / float(r["itl_p50_ms"]) for r in done)  # type: ignore[arg-type]
         table[v] = row
-        print(f"{v:<16} {row['tok_s']:>7.0f} {row['tok_s'] / med(base, 'tok_s'):>8.3f} {row['itl_p50_ms']:>8.1f} "
-              f"{row['itl_p99_ms']:>8.1f} {row['p99_over_p50']:>8.2f} {row['ttft_p99_ms']:>9.0f} "
-              f"{row['ttft_p99_ms'] / med(base, 'ttft_p99_ms'):>8.2f}")
+    for row in table.values():
+        for key, ratio in (("tok_s", "tok_s_x"), ("ttft_p99_ms", "ttft_p99_x")):
+            if base in table:
+                row[ratio] = row[key] / table[base][key]
+    return table
+
+
+def write_results(args: argparse.Namespace, runs: dict[str, list[dict[str, object]]], loads: list[float],
+                  *, complete: bool) -> dict[str, dict[str, float]]:
+    """The JSON of what ran so far, rewritten after every run: a process killed at its time
+    limit (a GPU machine's call) still leaves the runs it finished, marked incomplete."""
+    table = medians(runs, args.variants[0])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "runs": runs, "medians": table, "load": loads,
-                               "date": time.strftime("%Y-%m-%d")}, indent=2))
-    print(f"wrote {out}")
-    plot_over_time(traces, args, out.with_suffix(".png"))
+                               "complete": complete, "date": time.strftime("%Y-%m-%d")}, indent=2))
+    return table
 
 
 def plot_over_time(traces: dict[str, object], args: argparse.Namespace, path: Path) -> None:

@@ -1,13 +1,17 @@
 """`benchmarks/stall.py`'s ramp: a closed loop starts as a burst (every stream sends at once), so
-with `--ramp` only the steady window after it counts, and without one everything does."""
+with `--ramp` only the steady window after it counts, and without one everything does. Its heap
+frozen per run, as `serve` freezes it; and its side-by-side JSON written after every run, so that
+a process killed at a GPU machine's time limit leaves the runs it finished."""
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 from pathlib import Path
 
 import anyio
+import pytest
 
 from tests.scripts import load_script
 
@@ -64,3 +68,40 @@ def test_each_run_freezes_its_heap_as_serve_does_and_thaws_it_after(model_cache:
         assert (result["heap_frozen"] > 10_000) is freeze and (result["heap_frozen"] == 0) is not freeze
         assert gc.get_freeze_count() == 0  # the next variant starts from an unfrozen heap
         assert result["requests"] > 0
+
+
+def test_a_run_cut_short_leaves_the_runs_it_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stall = load_script(SCRIPT, "stall_script")
+    out = tmp_path / "stall.json"
+    args = _args(variants=["0", "auto"], repeat=3, out=str(out))
+    made: list[float] = []
+
+    async def fake_run(config: object, a: argparse.Namespace, *, rate: float | None,
+                       collect: bool = True) -> dict[str, object]:
+        if len(made) == 3:  # the machine's time limit, mid-run
+            raise KeyboardInterrupt
+        made.append(100.0 * (len(made) + 1))
+        return {"tok_s": made[-1], "itl_p50_ms": 5.0, "itl_p99_ms": 10.0 + len(made),
+                "itl_max_ms": 20.0, "ttft_p99_ms": 50.0 * len(made), "itl_trace": []}
+
+    monkeypatch.setattr(stall, "run", fake_run)
+    with pytest.raises(KeyboardInterrupt):
+        stall.compare(args)
+    written = json.loads(out.read_text())
+    assert written["complete"] is False
+    # Rounds rotate: "0", "auto", then "auto" first in the second round.
+    assert [r["tok_s"] for r in written["runs"]["0"]] == [100.0]
+    assert [r["tok_s"] for r in written["runs"]["auto"]] == [200.0, 300.0]
+    assert written["medians"]["auto"]["tok_s"] == 250.0
+    assert written["medians"]["auto"]["tok_s_x"] == 2.5
+    assert written["medians"]["auto"]["ttft_p99_x"] == 2.5  # (100 + 150) / 2 over 50
+    assert len(written["load"]) == 3
+
+
+def test_medians_leave_out_variants_without_runs_and_ratios_without_a_base() -> None:
+    stall = load_script(SCRIPT, "stall_script")
+    run = {"tok_s": 10.0, "itl_p50_ms": 2.0, "itl_p99_ms": 6.0, "ttft_p99_ms": 40.0}
+    table = stall.medians({"0": [], "auto": [run], "256": []}, "0")
+    assert list(table) == ["auto"]
+    assert table["auto"]["p99_over_p50"] == 3.0
+    assert "tok_s_x" not in table["auto"] and "ttft_p99_x" not in table["auto"]
