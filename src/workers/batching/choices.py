@@ -56,10 +56,11 @@ def token_budget(setting: int | str, *, gpu: bool, cuda: bool = False) -> int | 
     """`[worker] step_token_budget` as the budget takes it. "auto": 1,024 tokens a step on CUDA
     (with `cadence`'s plans of four steps' budget, each spread over those four steps: `spreads`),
     0 (off) on Metal (not measured there), the demand-sized budget on the CPU. On an H100
-    (docs/stalls.md, 2026-12-07; 0.5B and 1B shapes, 32 and 64 streams) that kept 0.95-1.05x
-    budget 0's tokens/s with ITL p99 at 2.0-3.3x its p50 (budget 0: 3.3-5.7x), where carried
-    whole a plan that size had given 0.89x on the 1B shape and 3.1x. Before plans were spread,
-    budgets small enough to bound ITL kept 0.67-0.87x of budget 0's throughput on an H200."""
+    (docs/stalls.md, 2026-12-07 and -08; 0.5B and 1B shapes, 32 and 64 streams) that kept
+    0.95-1.09x budget 0's tokens/s with ITL p99 at 2.0-3.3x its p50 (budget 0: 3.1-5.7x),
+    where carried whole a plan that size had given 0.89x on the 1B shape and 3.1x. Before plans
+    were spread, budgets small enough to bound ITL kept 0.67-0.87x of budget 0's throughput on
+    an H200."""
     if setting == "auto" and gpu:
         return AUTO_BUDGET_CUDA if cuda else 0
     return setting
