@@ -420,8 +420,10 @@ def write_results(args: argparse.Namespace, runs: dict[str, list[dict[str, objec
     table = medians(runs, args.variants[0])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "runs": runs, "medians": table, "load": loads,
-                               "complete": complete, "date": time.strftime("%Y-%m-%d")}, indent=2))
+    part = out.with_suffix(".json.part")  # replaced whole: a kill mid-write leaves the last one
+    part.write_text(json.dumps({"args": vars(args), "runs": runs, "medians": table, "load": loads,
+                                "complete": complete, "date": time.strftime("%Y-%m-%d")}, indent=2))
+    part.replace(out)
     return table
 
 
