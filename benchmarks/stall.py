@@ -395,21 +395,19 @@ def compare(args: argparse.Namespace) -> None:
 def medians(runs: dict[str, list[dict[str, object]]], base: str) -> dict[str, dict[str, float]]:
     """Each variant's medians over the runs it has (none: left out), with its ratios to `base`'s
     (left out while `base` has none)."""
-    def med(variant: str, key: str) -> float:
-        return statistics.median(float(r[key]) for r in runs[variant])  # type: ignore[arg-type]
-
     table: dict[str, dict[str, float]] = {}
     for v, done in runs.items():
         if not done:
             continue
-        row = {k: med(v, k) for k in ("tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_p99_ms")}
+        row = {k: statistics.median(float(r[k]) for r in done)  # type: ignore[arg-type]
+               for k in ("tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_p99_ms")}
         row["p99_over_p50"] = statistics.median(
             float(r["itl_p99_ms"]) / float(r["itl_p50_ms"]) for r in done)  # type: ignore[arg-type]
         table[v] = row
-    for row in table.values():
-        for key, ratio in (("tok_s", "tok_s_x"), ("ttft_p99_ms", "ttft_p99_x")):
-            if base in table:
-                row[ratio] = row[key] / table[base][key]
+    if base in table:
+        for row in table.values():
+            row["tok_s_x"] = row["tok_s"] / table[base]["tok_s"]
+            row["ttft_p99_x"] = row["ttft_p99_ms"] / table[base]["ttft_p99_ms"]
     return table
 
 
