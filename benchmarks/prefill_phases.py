@@ -36,9 +36,10 @@ computed by whichever later phase evaluates them: the batch cache's compaction w
 (finish) and its merge when rows join (join) land in the next decode step unless
 `--eval-caches` evaluates the cache at the end of those two phases. Also: steps/s, decode
 tokens/s, tokens a step (how many rows decode, on average: the rows that wait for their prompts
-leave slots idle), the steps that prefilled, and `real`, the share of our chunks' tokens (padding
-included) that are prompt tokens. Which steps prefill, and so tokens a step, do
-not depend on the backend: `--model synthetic:tiny --prefill-pad 64` on the CPU replays the
+leave slots idle), the steps that prefilled, `real`, the share of our chunks' tokens (padding
+included) that are prompt tokens, and `first`, the steps from a request's insertion to its first
+token (its TTFT in steps); the JSON keeps each step's time, rows and prompt tokens. Which steps
+prefill, and so tokens a step and `first`, do not depend on the backend: `--model synthetic:tiny --prefill-pad 64` on the CPU replays the
 steps of CUDA's padded passes in a minute (checked against an H200: 60.2, 55.6 and 37.7 tokens
 a step at budgets 0, 512 and 512x4 before whole-prompt plans, against 60.4, 55.8 and 37.5 there).
 
@@ -56,7 +57,7 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 # First: OpenBLAS (workers/blas.py) binds only if it is loaded before MLX.
 import workers  # noqa: F401
@@ -214,7 +215,10 @@ def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
     admit = admitter(args)
     counts = {"real": 0, "padded": 0}
 
-    engine.insert([admit() for _ in range(args.concurrency)])
+    first = [admit() for _ in range(args.concurrency)]
+    engine.insert(first)
+    inserted = {a.rid: 0 for a in first}  # rid -> the step it was inserted before
+    waits: list[int] = []  # steps from insertion to first token, for rids inserted after the warm-up
     clocks = Clocks(args.sync, args.eval_caches)
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
@@ -224,18 +228,25 @@ def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
             start = time.perf_counter()
             tokens = prefill_steps = 0
             step_clock = 0.0
-            per_step: list[tuple[float, dict[str, float]]] = []
+            per_step: list[Step] = []
         before = dict(clocks.total)
         t0 = time.perf_counter()
         result = engine.step()
         if i >= args.warmup:
             spent = time.perf_counter() - t0
             step_clock += spent
-            per_step.append((spent, {k: v - before.get(k, 0.0) for k, v in clocks.total.items()}))
+            per_step.append(Step(spent, {k: v - before.get(k, 0.0) for k, v in clocks.total.items()},
+                                 len(result.tokens), result.prefill_tokens))
             tokens += len(result.tokens)
             prefill_steps += result.prefill_tokens > 0
+        for rid in result.rids:
+            at = inserted.pop(rid, None)
+            if at is not None and at >= args.warmup:
+                waits.append(i + 1 - at)
         if result.finished:  # they already left the engine
-            engine.insert([admit() for _ in result.finished])
+            more = [admit() for _ in result.finished]
+            engine.insert(more)
+            inserted.update((a.rid, i + 1) for a in more)
     mx.synchronize()
     wall = time.perf_counter() - start
     for cls, attr, original in saved:
@@ -244,31 +255,56 @@ def run(model: Any, args: argparse.Namespace, variant: str) -> dict[str, Any]:
     phases = dict(clocks.total)
     phases["engine"] = step_clock - sum(phases.values())
     return {"tok_s": tokens / wall, "ms_per_step": wall / args.steps * 1e3, "tokens_per_step": tokens / args.steps,
-            "prefill_steps": prefill_steps, "real_share": counts["real"] / counts["padded"] if counts["padded"] else None,
+            "prefill_steps": prefill_steps, "first_token_steps": step_quantiles(waits),
+            "real_share": counts["real"] / counts["padded"] if counts["padded"] else None,
             "slow_steps": slow_steps(per_step), "phase_ms_per_step": {k: v / args.steps * 1e3 for k, v in phases.items()},
             "calls": dict(clocks.calls),
+            "steps": [[round(s.spent * 1e3, 2), s.rows, s.prompt_tokens] for s in per_step],
             "beside_ms_per_step": {k: v / args.steps * 1e3 for k, v in clocks.beside.items()}}
 
 
-def slow_steps(per_step: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
+def step_quantiles(waits: list[int]) -> dict[str, float] | None:
+    """The steps from a request's insertion to its first token (its TTFT in steps, which
+    does not depend on the backend): median, 99th percentile and the count."""
+    if not waits:
+        return None
+    ordered = sorted(waits)
+    return {"p50": float(statistics.median(ordered)), "p99": float(ordered[int(len(ordered) * 0.99)]),
+            "n": float(len(ordered))}
+
+
+class Step(NamedTuple):
+    """One timed step: its wall time (s), each phase's, the rows that emitted a token and the
+    prompt tokens it prefilled (`StepResult.prefill_tokens`)."""
+
+    spent: float
+    phases: dict[str, float]
+    rows: int
+    prompt_tokens: int
+
+
+def slow_steps(per_step: list[Step]) -> dict[str, Any]:
     """Where the slowest steps' time goes: the steps at or above the 95th percentile of step
-    time against the median half, each phase's mean ms a step (engine: the rest)."""
-    times = sorted(t for t, _ in per_step)
+    time against the median half, each phase's mean ms a step (engine: the rest), with their
+    mean rows and prompt tokens."""
+    times = sorted(s.spent for s in per_step)
     p50, p95 = times[len(times) // 2], times[int(len(times) * 0.95)]
 
-    def mean(steps: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    def mean(steps: list[Step]) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
-        for spent, phases in steps:
-            for k, v in phases.items():
+        for step in steps:
+            for k, v in step.phases.items():
                 out[k] += v * 1e3 / len(steps)
-            out["engine"] += (spent - sum(phases.values())) * 1e3 / len(steps)
-            out["step"] += spent * 1e3 / len(steps)
+            out["engine"] += (step.spent - sum(step.phases.values())) * 1e3 / len(steps)
+            out["step"] += step.spent * 1e3 / len(steps)
+            out["rows"] += step.rows / len(steps)
+            out["prompt_tokens"] += step.prompt_tokens / len(steps)
         return dict(out)
 
     return {"p50_ms": p50 * 1e3, "p95_ms": p95 * 1e3, "p99_ms": times[int(len(times) * 0.99)] * 1e3,
             "max_ms": times[-1] * 1e3,
-            "slow": mean([s for s in per_step if s[0] >= p95]),
-            "median_half": mean([s for s in per_step if s[0] <= p50])}
+            "slow": mean([s for s in per_step if s.spent >= p95]),
+            "median_half": mean([s for s in per_step if s.spent <= p50])}
 
 
 def main() -> None:
@@ -309,7 +345,7 @@ def main() -> None:
           f"{args.prompt_max}, {args.max_tokens} tokens, {args.steps} steps, medians of {args.repeat}"
           f"{', synchronized phases' if args.sync else ''}; load {min(loads):.2f}-{max(loads):.2f}")
     print(f"{'variant':<12} {'tok/s':>7} {'ms/step':>8} {'tok/step':>8} {'prefilled':>9} {'real':>5} "
-          + " ".join(f"{n:>11}" for n in names))
+          f"{'first p50':>9} {'first p99':>9} " + " ".join(f"{n:>11}" for n in names))
     table = {}
     for v, rs in runs.items():
         row = {"tok_s": statistics.median(r["tok_s"] for r in rs),
@@ -317,12 +353,17 @@ def main() -> None:
                "tokens_per_step": statistics.median(r["tokens_per_step"] for r in rs),
                "prefill_steps": statistics.median(r["prefill_steps"] for r in rs),
                "real_share": statistics.median(r["real_share"] or 0.0 for r in rs)}
+        firsts = [r["first_token_steps"] for r in rs if r["first_token_steps"]]
+        for q in ("p50", "p99"):
+            row[f"first_token_steps_{q}"] = statistics.median(f[q] for f in firsts) if firsts else float("nan")
         row.update({n: statistics.median(r["phase_ms_per_step"].get(n, 0.0) for r in rs) for n in names})
         table[v] = row
         print(f"{v:<12} {row['tok_s']:>7.0f} {row['ms_per_step']:>8.2f} {row['tokens_per_step']:>8.1f} "
               f"{row['prefill_steps']:>9.0f} {row['real_share']:>5.2f} "
+              f"{row['first_token_steps_p50']:>9.0f} {row['first_token_steps_p99']:>9.0f} "
               + " ".join(f"{row[n]:>11.2f}" for n in names))
-    print("(real: the share of our chunks' tokens, padding included, that are prompt tokens; "
+    print("(real: the share of our chunks' tokens, padding included, that are prompt tokens; first: the "
+          "steps from a request's insertion to its first token, TTFT in steps; "
           "phases: ms per step, averaged over all steps)")
     for v, rs in runs.items():
         beside = {n: statistics.median(r["beside_ms_per_step"].get(n, 0.0) for r in rs)
@@ -331,13 +372,15 @@ def main() -> None:
             print(f"{v:<12} beside the steps, on the prefill thread: "
                   + ", ".join(f"{n} {ms:.2f} ms a step" for n, ms in beside.items()))
     print("\nThe slowest steps (>= p95 of step time) against the median half, first run, ms a step:")
-    print(f"{'variant':<12} {'steps':<12} {'step':>7} " + " ".join(f"{n:>11}" for n in names))
+    print(f"{'variant':<12} {'steps':<12} {'step':>7} " + " ".join(f"{n:>11}" for n in names)
+          + f" {'rows':>6} {'prompt':>7}")
     for v, rs in runs.items():
         slow = rs[0]["slow_steps"]
         print(f"{v:<12} p50 {slow['p50_ms']:.1f}, p99 {slow['p99_ms']:.1f}, max {slow['max_ms']:.1f}")
         for which in ("slow", "median_half"):
             ph = slow[which]
-            print(f"{'':<12} {which:<12} {ph['step']:>7.2f} " + " ".join(f"{ph.get(n, 0.0):>11.2f}" for n in names))
+            print(f"{'':<12} {which:<12} {ph['step']:>7.2f} " + " ".join(f"{ph.get(n, 0.0):>11.2f}" for n in names)
+                  + f" {ph.get('rows', 0.0):>6.1f} {ph.get('prompt_tokens', 0.0):>7.0f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "runs": runs, "medians": table, "load": loads,

@@ -75,3 +75,24 @@ def test_padded_runs_chunks_with_their_padding_and_the_counter_sees_real_and_pad
     batch.tokens, batch.prompt_cache = [[], []], []  # two prompts, caches not needed to pad
     tokens, _ = counted(batch, [[1, 2, 3], [4]])
     assert tokens.shape == (2, 3) and counts == {"real": 4, "padded": 6}
+
+
+def test_first_token_steps_count_each_request_inserted_after_the_warm_up_and_grow_under_a_tight_budget(
+    tiny_model: Any,
+) -> None:
+    phases = load_script(SCRIPT, "prefill_phases_script")
+    args = _args()
+    args.prefill_pad = "0"
+    for name, value in dict(prompt_min=64, prompt_max=64, max_tokens=4, warmup=8, steps=40, seed=0,
+                            sync=False, eval_caches=False).items():
+        setattr(args, name, value)
+    whole = phases.run(tiny_model, args, "0")["first_token_steps"]
+    tight = phases.run(tiny_model, args, "16")["first_token_steps"]
+    assert whole is not None and tight is not None
+    assert 1 <= whole["p50"] <= whole["p99"] and tight["p50"] <= tight["p99"]
+    assert whole["n"] >= 10 and tight["n"] >= 2
+    # 64-token prompts at 16 tokens a step take at least four steps to prefill, and wait longer
+    # than the same prompts prefilled whole.
+    assert tight["p50"] >= 4 and tight["p50"] > whole["p50"], (whole, tight)
+    assert phases.step_quantiles([]) is None
+    assert phases.step_quantiles([3, 1, 2]) == {"p50": 2.0, "p99": 3.0, "n": 3.0}
