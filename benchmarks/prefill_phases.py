@@ -39,9 +39,10 @@ tokens/s, tokens a step (how many rows decode, on average: the rows that wait fo
 leave slots idle), the steps that prefilled, `real`, the share of our chunks' tokens (padding
 included) that are prompt tokens, and `first`, the steps from a request's insertion to its first
 token (its TTFT in steps); the JSON keeps each step's time, rows and prompt tokens. Which steps
-prefill, and so tokens a step and `first`, do not depend on the backend: `--model synthetic:tiny --prefill-pad 64` on the CPU replays the
-steps of CUDA's padded passes in a minute (checked against an H200: 60.2, 55.6 and 37.7 tokens
-a step at budgets 0, 512 and 512x4 before whole-prompt plans, against 60.4, 55.8 and 37.5 there).
+prefill, and so tokens a step and `first`, do not depend on the backend: `--model synthetic:tiny
+--prefill-pad 64` on the CPU replays the steps of CUDA's padded passes in a minute (checked
+against an H200: 60.2, 55.6 and 37.7 tokens a step at budgets 0, 512 and 512x4 before
+whole-prompt plans, against 60.4, 55.8 and 37.5 there).
 
     python benchmarks/prefill_phases.py --variants 0 128 128:mlx --concurrency 32 [--sync]
 """

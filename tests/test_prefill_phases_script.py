@@ -82,10 +82,8 @@ def test_first_token_steps_count_each_request_inserted_after_the_warm_up_and_gro
 ) -> None:
     phases = load_script(SCRIPT, "prefill_phases_script")
     args = _args()
-    args.prefill_pad = "0"
-    for name, value in dict(prompt_min=64, prompt_max=64, max_tokens=4, warmup=8, steps=40, seed=0,
-                            sync=False, eval_caches=False).items():
-        setattr(args, name, value)
+    vars(args).update(prefill_pad="0", prompt_min=64, prompt_max=64, max_tokens=4, warmup=8, steps=40, seed=0,
+                      sync=False, eval_caches=False)
     whole = phases.run(tiny_model, args, "0")["first_token_steps"]
     tight = phases.run(tiny_model, args, "16")["first_token_steps"]
     assert whole is not None and tight is not None
